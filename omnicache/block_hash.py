@@ -1,0 +1,399 @@
+"""Chained block keys over annotated token sequences (scheme ``omnicache.block/v1``).
+
+A prompt is cut into blocks of ``block_size`` tokens; each *full* block gets a
+key that covers the key before it, its token ids, and the part of every item
+(image, audio clip, ...) whose placeholder run overlaps the block. Equal
+prefixes give equal keys; a change in block i changes the keys of block i and
+every later block and of no earlier one.
+
+Exact bytes (all integers unsigned little-endian; ``H`` is the hasher's
+algorithm, ``D`` its digest size: 32 bytes for sha256 and blake3, 16 for
+xxh3_128)::
+
+    root = H(field(1, "omnicache.block/v1") | field(2, algorithm) | field(3, namespace)
+             | field(4, cache_salt) | field(5, adapter) | field(6, block_size))
+
+    field:  +---------+----------+-------------+-------------------------+
+            | tag: u8 | type: u8 | length: u32 | payload: length bytes   |
+            +---------+----------+-------------+-------------------------+
+            type 0: None (length 0, no payload)
+            type 1: str (payload: UTF-8)
+            type 2: int (length 8, payload: u64)
+
+    key(i) = H(parent | tokens | record ... record)
+
+            +--------------------+---------------------------+------------------------+
+            | parent: D bytes    | tokens: block_size x u32  | one record per         |
+            | key(i-1), or root  | (the block's token ids)   | annotation overlapping |
+            | for the 1st block  |                           | the block, in order    |
+            +--------------------+---------------------------+------------------------+
+
+    record: +------------+------------+-----------------+-----------------+-------------+-------+
+            | start: u32 | count: u32 | content_offset: | content_length: | hash_len L: | hash: |
+            | in block   |            | u32             | u32             | u32         | L B   |
+            +------------+------------+-----------------+-----------------+-------------+-------+
+
+``start`` and ``count`` are the annotation clipped to the block (its tokens
+``[start, start + count)`` of the block), ``content_offset`` the item
+position of the first of them, ``content_length`` the item's whole run length
+(`TokenRangeAnnotation.clip`).
+
+NOTE: the encoding is injective. Within one chain ``D`` and ``block_size``
+are fixed (both are in the root), so parent and tokens have a fixed length,
+and each record states its own length, so a preimage parses one way only: a
+block without annotations is exactly ``D + 4 * block_size`` bytes and any
+record makes it longer. The root's fields are tagged, typed and framed, so a
+salt and an adapter given the same string differ, and None differs from "".
+
+Keys are ``bytes`` (`BlockHash`); routers and event consumers that want text
+or an int take `block_hash_hex` or `block_hash_low64`. Golden vectors in
+``tests/vectors/block_v1.json`` (``scripts/make_block_vectors.py``) pin these
+bytes; a change to them is a new scheme version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Sequence
+from operator import attrgetter
+from typing import Any, NewType, cast
+
+import blake3
+import xxhash
+
+from hashing import ALGORITHMS, Algorithm, digest_size
+from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
+
+__all__ = [
+    "DEFAULT_BLOCK_ALGORITHM",
+    "SCHEME",
+    "BlockHash",
+    "BlockHasher",
+    "block_hash_hex",
+    "block_hash_low64",
+]
+
+BlockHash = NewType("BlockHash", bytes)
+
+SCHEME = "omnicache.block/v1"
+
+# sha256 is the default because per-call cost dominates on the ~100-byte
+# preimages of a 16-token block (32-byte parent + 64 bytes of ids), and there
+# OpenSSL's SHA-NI sha256 beats blake3-py: 0.35-0.39 µs against 0.49-0.58 µs a
+# call on the 2-core EPYC (xxh3_128: 0.06-0.12 µs, but not collision
+# resistant); benchmarks/bench_block_hash.py prints the per-call figures.
+DEFAULT_BLOCK_ALGORITHM: Algorithm = "sha256"
+
+_FIELD = struct.Struct("<BBI")
+_U64 = struct.Struct("<Q")
+_RECORD_HEAD = struct.Struct("<III")  # start, count, content_offset
+_RECORD_TAIL = struct.Struct("<II")  # content_length, hash_len
+_TYPE_NONE, _TYPE_STR, _TYPE_INT = 0, 1, 2
+_TAG_SCHEME, _TAG_ALGORITHM, _TAG_NAMESPACE, _TAG_SALT, _TAG_ADAPTER, _TAG_BLOCK_SIZE = range(1, 7)
+_MAX_BLOCK_SIZE = 2**32 - 1
+
+# Per algorithm: an incremental constructor (``new(data).digest()``) and, where
+# the library has one, a one-shot digest function, which saves a call per block.
+_DIGESTERS: dict[str, tuple[Callable[[bytes], Any], Callable[[bytes], bytes] | None]] = {
+    "sha256": (hashlib.sha256, None),
+    "blake3": (blake3.blake3, None),
+    "xxh3_128": (xxhash.xxh3_128, xxhash.xxh3_128_digest),
+}
+assert set(_DIGESTERS) == set(ALGORITHMS)
+
+_token_end = attrgetter("token_end")
+
+
+def block_hash_hex(key: bytes, /) -> str:
+    """A key as lowercase hex (two characters per byte, first byte first)."""
+    if not isinstance(key, bytes):
+        raise TypeError(f"key: expected bytes, found {type(key).__name__}")
+    return key.hex()
+
+
+def block_hash_low64(key: bytes, /) -> int:
+    """The low 64 bits of a key read as a big-endian unsigned integer.
+
+    That is its last 8 bytes, most significant first, in ``[0, 2**64)``: the
+    convention vLLM uses for int block hashes in KV cache events, so a router
+    that reads those events matches these keys. Two keys that differ only in
+    their first ``D - 8`` bytes share this value: use it to route, never as a
+    cache key.
+    """
+    if not isinstance(key, bytes):
+        raise TypeError(f"key: expected bytes, found {type(key).__name__}")
+    if len(key) < 8:
+        raise ValueError(f"key: expected at least 8 bytes, found {len(key)}")
+    return int.from_bytes(key[-8:], "big")
+
+
+def _field(tag: int, value: str | int | None, name: str) -> bytes:
+    if value is None:
+        return _FIELD.pack(tag, _TYPE_NONE, 0)
+    if isinstance(value, str):
+        try:
+            payload = value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"{name}: expected a str encodable as UTF-8, found {value!r}") from exc
+        return _FIELD.pack(tag, _TYPE_STR, len(payload)) + payload
+    return _FIELD.pack(tag, _TYPE_INT, _U64.size) + _U64.pack(value)
+
+
+def _check_optional_str(value: object, name: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{name}: expected a str or None, found {type(value).__name__}")
+    return value
+
+
+class BlockHasher:
+    """Computes chained keys of full token blocks for one configuration.
+
+    Args:
+        block_size: tokens per block, an int >= 1.
+        algorithm: "sha256" (default, collision resistant, fastest of the
+            collision-resistant ones on block-sized inputs), "blake3", or
+            "xxh3_128" (about 3x faster, 16-byte keys, NOT collision
+            resistant: only for trusted single-tenant deployments).
+        namespace: what the keys are for, such as the model id; chains in
+            two namespaces never share a key.
+        cache_salt: a tenant's secret salt; None (no salt) differs from "".
+        adapter: the adapter (LoRA) id; None (no adapter) differs from "".
+
+    All of these enter the root (`root`), from which every chain starts, so
+    tenants, adapters, models and block sizes never share a chain.
+    """
+
+    __slots__ = (
+        "_adapter",
+        "_algorithm",
+        "_block_size",
+        "_cache_salt",
+        "_digest_size",
+        "_namespace",
+        "_new",
+        "_oneshot",
+        "_root",
+    )
+
+    def __init__(
+        self,
+        block_size: int = 16,
+        *,
+        algorithm: Algorithm = DEFAULT_BLOCK_ALGORITHM,
+        namespace: str = "",
+        cache_salt: str | None = None,
+        adapter: str | None = None,
+    ) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int):
+            raise TypeError(f"block_size: expected an int, found {type(block_size).__name__}")
+        if not 1 <= block_size <= _MAX_BLOCK_SIZE:
+            raise ValueError(
+                f"block_size: expected an int in [1, {_MAX_BLOCK_SIZE}], found {block_size}"
+            )
+        self._digest_size = digest_size(algorithm)  # ValueError for an unknown algorithm
+        if not isinstance(namespace, str):
+            raise TypeError(f"namespace: expected a str, found {type(namespace).__name__}")
+        self._algorithm = algorithm
+        self._block_size = block_size
+        self._namespace = namespace
+        self._cache_salt = _check_optional_str(cache_salt, "cache_salt")
+        self._adapter = _check_optional_str(adapter, "adapter")
+        self._new, self._oneshot = _DIGESTERS[algorithm]
+        preimage = b"".join(
+            (
+                _field(_TAG_SCHEME, SCHEME, "scheme"),
+                _field(_TAG_ALGORITHM, algorithm, "algorithm"),
+                _field(_TAG_NAMESPACE, namespace, "namespace"),
+                _field(_TAG_SALT, cache_salt, "cache_salt"),
+                _field(_TAG_ADAPTER, adapter, "adapter"),
+                _field(_TAG_BLOCK_SIZE, block_size, "block_size"),
+            )
+        )
+        self._root = BlockHash(self._new(preimage).digest())
+
+    @property
+    def root(self) -> BlockHash:
+        """The chain's seed: the parent of every first block."""
+        return self._root
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def algorithm(self) -> Algorithm:
+        return self._algorithm
+
+    @property
+    def digest_size(self) -> int:
+        """Bytes in every key: 32 (sha256, blake3) or 16 (xxh3_128)."""
+        return self._digest_size
+
+    @property
+    def namespace(self) -> str:
+        return self._namespace
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self._cache_salt
+
+    @property
+    def adapter(self) -> str | None:
+        return self._adapter
+
+    def __repr__(self) -> str:
+        # NOTE: a salt isolates a tenant; it does not belong in logs.
+        salt = None if self._cache_salt is None else "<set>"
+        return (
+            f"BlockHasher(block_size={self._block_size}, algorithm={self._algorithm!r}, "
+            f"namespace={self._namespace!r}, cache_salt={salt}, adapter={self._adapter!r})"
+        )
+
+    def hash_blocks(
+        self,
+        tokens: AnnotatedTokens | Iterable[int],
+        /,
+        *,
+        parent: bytes | None = None,
+        start_block: int = 0,
+    ) -> list[BlockHash]:
+        """Keys of the full blocks of ``tokens`` from ``start_block`` on.
+
+        Hashing blocks k and onward with ``parent=key(k-1)`` gives the same
+        keys as hashing everything at once; so does hashing
+        ``tokens[k * block_size:]`` with ``parent=key(k-1)``.
+
+        Args:
+            tokens: an AnnotatedTokens, or token ids without annotations.
+            parent: the key of block ``start_block - 1``; None means the root
+                and is allowed only when ``start_block`` is 0.
+            start_block: the first block to key, at most the number of full
+                blocks.
+
+        Returns:
+            One key per full block ``start_block, start_block + 1, ...``; a
+            trailing partial block gets none.
+        """
+        if not isinstance(tokens, AnnotatedTokens):
+            tokens = AnnotatedTokens(tokens)
+        block_size = self._block_size
+        num_full_blocks = len(tokens) // block_size
+        if isinstance(start_block, bool) or not isinstance(start_block, int):
+            raise TypeError(f"start_block: expected an int, found {type(start_block).__name__}")
+        if not 0 <= start_block <= num_full_blocks:
+            raise ValueError(
+                f"start_block: expected an int in [0, {num_full_blocks}] (full blocks of "
+                f"{block_size} in {len(tokens)} tokens), found {start_block}"
+            )
+        if parent is None:
+            if start_block != 0:
+                raise ValueError(
+                    f"parent: expected the key of block {start_block - 1} for "
+                    f"start_block={start_block}, found None"
+                )
+            parent = self._root
+        elif not isinstance(parent, bytes):
+            raise TypeError(f"parent: expected bytes or None, found {type(parent).__name__}")
+        elif len(parent) != self._digest_size:
+            raise ValueError(
+                f"parent: expected a {self._digest_size}-byte {self._algorithm} key, "
+                f"found {len(parent)} bytes"
+            )
+        return self._chain(tokens, parent, start_block, num_full_blocks)
+
+    def hash_new_blocks(
+        self, tokens: AnnotatedTokens, /, block_hashes: Sequence[BlockHash]
+    ) -> list[BlockHash]:
+        """Keys of the full blocks of ``tokens`` that ``block_hashes`` does not cover yet.
+
+        The decode path: after appending sampled tokens, only the blocks they
+        completed are hashed (none until a block fills, at O(1) cost).
+
+        Args:
+            tokens: the whole sequence so far.
+            block_hashes: the keys of its first ``len(block_hashes)`` blocks,
+                as this hasher returned them.
+
+        Returns:
+            The keys of blocks ``len(block_hashes), ...``, often empty.
+        """
+        num_done = len(block_hashes)
+        if (num_done + 1) * self._block_size > len(tokens):
+            return []
+        parent = block_hashes[-1] if num_done else None
+        return self.hash_blocks(tokens, parent=parent, start_block=num_done)
+
+    def _chain(
+        self, tokens: AnnotatedTokens, parent: bytes, start_block: int, num_full_blocks: int
+    ) -> list[BlockHash]:
+        block_size = self._block_size
+        num_blocks = num_full_blocks - start_block
+        if num_blocks == 0:
+            return []
+        data = tokens.packed(start_block * block_size, num_full_blocks * block_size)
+        records = self._records(tokens.annotations, start_block, num_blocks)
+        step = 4 * block_size
+        offsets = range(0, len(data), step)
+        keys: list[bytes] = []
+        append = keys.append
+        oneshot = self._oneshot
+        new = self._new
+        # NOTE: four copies of one loop: at ~0.4 µs a block, an extra call or
+        # an empty concatenation per block would cost 5-15%.
+        if records is None:
+            if oneshot is not None:
+                for offset in offsets:
+                    parent = oneshot(parent + data[offset : offset + step])
+                    append(parent)
+            else:
+                for offset in offsets:
+                    parent = new(parent + data[offset : offset + step]).digest()
+                    append(parent)
+        elif oneshot is not None:
+            for offset, record in zip(offsets, records, strict=True):
+                parent = oneshot(parent + data[offset : offset + step] + record)
+                append(parent)
+        else:
+            for offset, record in zip(offsets, records, strict=True):
+                parent = new(parent + data[offset : offset + step] + record).digest()
+                append(parent)
+        return cast(list[BlockHash], keys)
+
+    def _records(
+        self,
+        annotations: tuple[TokenRangeAnnotation, ...],
+        start_block: int,
+        num_blocks: int,
+    ) -> list[bytes] | None:
+        """The annotation records of blocks ``start_block ...``, or None when there are none."""
+        block_size = self._block_size
+        first_token = start_block * block_size
+        stop_token = first_token + num_blocks * block_size
+        if not annotations or annotations[-1].token_end <= first_token:
+            return None
+        records: list[bytes] | None = None
+        # Annotations are sorted and disjoint, so their ends are sorted too.
+        first = bisect_right(annotations, first_token, key=_token_end)
+        for ann in annotations[first:]:
+            token_index = ann.token_index
+            if token_index >= stop_token:
+                break
+            token_end = token_index + ann.token_count
+            content_hash = ann.content_hash
+            # The part of a record that is the same in every block of this item.
+            tail = _RECORD_TAIL.pack(ann.content_length, len(content_hash)) + content_hash
+            base_offset = ann.content_offset - token_index
+            first_block = max(token_index // block_size, start_block)
+            last_block = min((token_end - 1) // block_size, start_block + num_blocks - 1)
+            if records is None:
+                records = [b""] * num_blocks
+            for block in range(first_block, last_block + 1):
+                block_start = block * block_size
+                lo = max(token_index, block_start)
+                hi = min(token_end, block_start + block_size)
+                records[block - start_block] += (
+                    _RECORD_HEAD.pack(lo - block_start, hi - lo, base_offset + lo) + tail
+                )
+        return records
