@@ -529,7 +529,8 @@ class ModelPool:
             self.ref_cnt[block_id] += 1
 
     def free(self, block_ids: list[int]) -> None:
-        front, back = [], []
+        front: list[int] = []
+        back: list[int] = []
         for block_id in block_ids:
             self.ref_cnt[block_id] -= 1
             if self.ref_cnt[block_id] == 0:
