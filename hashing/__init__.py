@@ -1,0 +1,41 @@
+"""Canonical, versioned content digests of multimodal items.
+
+Same content gives the same digest in every process and on every machine
+(CPU or GPU tensors, contiguous or strided); any change the model would see
+gives a different one. The exact bytes hashed are defined in
+``hashing._encoding`` (framing) and ``hashing._pil`` (PIL pixel layout) and
+pinned by ``tests/vectors/content_v1.json``.
+
+    >>> from hashing import hash_identifier
+    >>> hash_identifier("request-42", namespace="tenant-a").hex()[:16]
+    '...'
+"""
+
+from hashing._algorithms import ALGORITHMS, DEFAULT_ALGORITHM, Algorithm, digest_size
+from hashing._content import (
+    ContentHash,
+    hash_array,
+    hash_audio,
+    hash_bytes,
+    hash_content,
+    hash_identifier,
+    hash_image,
+    hash_video,
+)
+from hashing._encoding import SCHEME
+
+__all__ = [
+    "ALGORITHMS",
+    "DEFAULT_ALGORITHM",
+    "SCHEME",
+    "Algorithm",
+    "ContentHash",
+    "digest_size",
+    "hash_array",
+    "hash_audio",
+    "hash_bytes",
+    "hash_content",
+    "hash_identifier",
+    "hash_image",
+    "hash_video",
+]
