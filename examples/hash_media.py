@@ -1,0 +1,48 @@
+"""Hash synthetic images, audio, video and ids, and print their digests.
+
+    python examples/hash_media.py
+
+Every digest printed here is the same on every machine and in every process.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from PIL import Image
+
+from hashing import ALGORITHMS, hash_audio, hash_identifier, hash_image, hash_video
+
+
+def main() -> None:
+    rng = np.random.default_rng(7)
+    pixels = rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)
+    image = Image.fromarray(pixels)
+    t = np.arange(16_000, dtype=np.float32) / 16_000
+    tone = np.sin(2 * np.pi * 440 * t).astype(np.float32)
+    stereo = np.stack([tone, -tone])
+    frames = rng.integers(0, 256, (8, 64, 64, 3), dtype=np.uint8)
+    context = {"model": "org/vl-model", "resize": [336, 336], "resample": "bicubic"}
+
+    items = [
+        ("PIL image 224x224 RGB", lambda a: hash_image(image, algorithm=a)),
+        ("same image as an array", lambda a: hash_image(pixels, algorithm=a)),
+        ("same image, resized for a model", lambda a: hash_image(image, algorithm=a,
+                                                                  context=context)),
+        ("1 s 440 Hz tone, 16 kHz mono", lambda a: hash_audio(tone, 16_000, algorithm=a)),
+        ("same tone, stereo", lambda a: hash_audio(stereo, 16_000, algorithm=a)),
+        ("same tone, 8 kHz label", lambda a: hash_audio(tone, 8_000, algorithm=a)),
+        ("8-frame video at 24 fps", lambda a: hash_video(frames, fps=24.0, algorithm=a)),
+        ("caller id 'img-42' (tenant-a)", lambda a: hash_identifier(
+            "img-42", namespace="tenant-a", algorithm=a)),
+        ("caller id 'img-42' (tenant-b)", lambda a: hash_identifier(
+            "img-42", namespace="tenant-b", algorithm=a)),
+    ]  # fmt: skip
+    width = max(len(name) for name, _ in items)
+    for algorithm in ALGORITHMS:
+        print(f"== {algorithm}")
+        for name, digest in items:
+            print(f"{name:<{width}}  {digest(algorithm).hex()}")
+
+
+if __name__ == "__main__":
+    main()
