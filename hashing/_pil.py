@@ -114,12 +114,12 @@ def _padded_chunks(
     pixels: np.ndarray[Any, Any], pad_bits: np.uint32 | None, keep: object
 ) -> Iterator[memoryview]:
     """Yield the pixel bytes with every pad bit set, in place when they already are."""
-    slots = pixels.view(np.uint32)
     # NOTE: for 3-band slots the pad is the top byte, so "all pads are 0xFF"
     # is exactly "the smallest slot is >= 0xFF000000".
-    if pad_bits is None or (pad_bits == 0xFF000000 and slots.min() >= pad_bits):
+    if pad_bits is None or (pad_bits == 0xFF000000 and pixels.view(np.uint32).min() >= pad_bits):
         yield pixels.data
     else:
+        slots = pixels.view(np.uint32)
         scratch = np.empty(min(_CHUNK_PIXELS, slots.size), dtype=np.uint32)
         for start in range(0, slots.size, _CHUNK_PIXELS):
             part = slots[start : start + _CHUNK_PIXELS]
