@@ -49,8 +49,8 @@ def expected_rows(name: str, prefix_hashes: list[int], positions: list[int]) -> 
     if name == "tail":
         return torch.tensor([h ^ 0x2A2A for h in prefix_hashes], dtype=torch.int64).view(-1, 1)
     assert name == "audio"
-    values = [float((h >> 8) & 0xFFFFFFF) for h in prefix_hashes]
-    return torch.tensor(values, dtype=torch.float64).view(-1, 1)
+    audio = [float((h >> 8) & 0xFFFFFFF) for h in prefix_hashes]
+    return torch.tensor(audio, dtype=torch.float64).view(-1, 1)
 
 
 @dataclass
