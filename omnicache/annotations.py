@@ -18,7 +18,7 @@ from array import array
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
-from typing import NamedTuple, overload
+from typing import NamedTuple, NoReturn, overload
 
 __all__ = [
     "MAX_TOKEN_ID",
@@ -123,6 +123,12 @@ def _is_int(value: object) -> bool:
 
 def _pack_token_ids(token_ids: Iterable[int]) -> array[int]:
     """Token ids as a fresh uint32 array; ValueError names the first bad id."""
+    kind = type(token_ids)
+    if kind is list or kind is tuple:  # the common case, checked first for decode steps
+        try:
+            return array(_TYPECODE, token_ids)
+        except (OverflowError, TypeError):
+            _raise_bad_token_id(token_ids)
     if isinstance(token_ids, AnnotatedTokens):
         return token_ids._buf[: token_ids._num_tokens]
     # NOTE: array() would reinterpret bytes as raw machine words and iterate a
@@ -137,7 +143,10 @@ def _pack_token_ids(token_ids: Iterable[int]) -> array[int]:
     try:
         return array(_TYPECODE, token_ids)
     except (OverflowError, TypeError):
-        pass
+        _raise_bad_token_id(token_ids)
+
+
+def _raise_bad_token_id(token_ids: Iterable[int]) -> NoReturn:
     for index, token_id in enumerate(token_ids):
         try:
             value = operator.index(token_id)
@@ -200,7 +209,7 @@ def _check_annotations(
     return tuple(ends)
 
 
-class AnnotatedTokens(Sequence[int]):
+class AnnotatedTokens:
     """An immutable sequence of token ids with the annotations of its placeholder runs.
 
     Annotations are validated on construction: each a `TokenRangeAnnotation`,
@@ -240,6 +249,10 @@ class AnnotatedTokens(Sequence[int]):
     Slicing (step 1 only) clips the annotations to the slice. Decoding slices
     the tail of the sequence every step, after the last annotation: that case
     skips the annotations entirely.
+
+    It is a `collections.abc.Sequence` of ints by registration rather than
+    inheritance: an ABC base class would route every ``isinstance`` check on
+    the decode path through ``ABCMeta.__instancecheck__``.
     """
 
     __slots__ = ("_annotations", "_buf", "_ends", "_num_tokens")
@@ -324,13 +337,22 @@ class AnnotatedTokens(Sequence[int]):
         ends = self._ends
         if not ends or start >= ends[-1]:
             # Fast path: past the last annotation (every decode step).
-            anns: tuple[TokenRangeAnnotation, ...] = ()
-            new_ends: tuple[int, ...] = ()
-        else:
-            anns = self.clipped_annotations(start, stop)
-            new_ends = tuple(a.token_index + a.token_count for a in anns)
-        buf = self._buf if start == 0 else self._buf[start:stop]
-        return AnnotatedTokens._from_parts(buf, stop - start, anns, new_ends)
+            return AnnotatedTokens._from_parts(self._buf[start:stop], stop - start, (), ())
+        if start == 0:
+            # A prefix shares the buffer and keeps every annotation that ends
+            # inside it unchanged; only one can straddle ``stop``.
+            num_whole = bisect_right(ends, stop)
+            anns = self._annotations[:num_whole]
+            new_ends = ends[:num_whole]
+            if num_whole < len(ends):
+                part = self._annotations[num_whole].clip(0, stop)
+                if part is not None:
+                    anns += (part,)
+                    new_ends += (stop,)
+            return AnnotatedTokens._from_parts(self._buf, stop, anns, new_ends)
+        anns = self.clipped_annotations(start, stop)
+        new_ends = tuple(a.token_index + a.token_count for a in anns)
+        return AnnotatedTokens._from_parts(self._buf[start:stop], stop - start, anns, new_ends)
 
     def clipped_annotations(self, start: int, stop: int) -> tuple[TokenRangeAnnotation, ...]:
         """The annotations overlapping tokens ``[start, stop)``, clipped and re-based to ``start``.
@@ -358,6 +380,25 @@ class AnnotatedTokens(Sequence[int]):
 
     def __iter__(self) -> Iterator[int]:
         return islice(self._buf, self._num_tokens)
+
+    def __reversed__(self) -> Iterator[int]:
+        return reversed(self._buf[: self._num_tokens])
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._buf[: self._num_tokens]
+
+    def count(self, value: object) -> int:
+        """How many times ``value`` occurs among the token ids."""
+        if not isinstance(value, int):
+            return 0
+        return self._buf[: self._num_tokens].count(value)
+
+    def index(self, value: object, start: int = 0, stop: int | None = None) -> int:
+        """The first position of ``value`` in ``[start, stop)``; ValueError if absent."""
+        num_tokens = self._num_tokens
+        if not isinstance(value, int):
+            raise ValueError(f"{value!r} is not in the token ids")
+        return self._buf[:num_tokens].index(value, start, num_tokens if stop is None else stop)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, AnnotatedTokens):
@@ -408,16 +449,25 @@ class AnnotatedTokens(Sequence[int]):
         ``other`` may be an AnnotatedTokens (its annotations are shifted
         behind this sequence) or any iterable of token ids.
         """
+        num_tokens = self._num_tokens
         if isinstance(other, AnnotatedTokens):
             tail = other._buf[: other._num_tokens]
-            shift = self._num_tokens
-            extra = tuple(a._replace(token_index=a.token_index + shift) for a in other._annotations)
-            extra_ends = tuple(end + shift for end in other._ends)
+            annotations = self._annotations + tuple(
+                a._replace(token_index=a.token_index + num_tokens) for a in other._annotations
+            )
+            ends = self._ends + tuple(end + num_tokens for end in other._ends)
         else:
             tail = _pack_token_ids(other)
-            extra = ()
-            extra_ends = ()
-        return self._append(tail, extra, extra_ends)
+            annotations = self._annotations
+            ends = self._ends
+        with _APPEND_LOCK:
+            buf = self._buf
+            if len(buf) == num_tokens:
+                buf.extend(tail)
+            else:
+                buf = buf[:num_tokens]
+                buf.extend(tail)
+        return AnnotatedTokens._from_parts(buf, num_tokens + len(tail), annotations, ends)
 
     def extend(self, token_ids: Iterable[int]) -> AnnotatedTokens:
         """A new sequence with ``token_ids`` appended; this one is unchanged.
@@ -426,24 +476,6 @@ class AnnotatedTokens(Sequence[int]):
         sampled tokens.
         """
         return self + token_ids
-
-    def _append(
-        self,
-        tail: array[int],
-        extra: tuple[TokenRangeAnnotation, ...],
-        extra_ends: tuple[int, ...],
-    ) -> AnnotatedTokens:
-        num_tokens = self._num_tokens
-        with _APPEND_LOCK:
-            buf = self._buf
-            if len(buf) == num_tokens:
-                buf.extend(tail)
-            else:
-                buf = buf[:num_tokens]
-                buf.extend(tail)
-        return AnnotatedTokens._from_parts(
-            buf, num_tokens + len(tail), self._annotations + extra, self._ends + extra_ends
-        )
 
     def blocks(self, block_size: int, /, *, start_block: int = 0) -> Iterator[TokenBlock]:
         """Yield every full block from ``start_block`` on, with its clipped annotations.
@@ -479,3 +511,6 @@ class AnnotatedTokens(Sequence[int]):
                 f"{block_size} in {self._num_tokens} tokens), found {_describe(start_block)}"
             )
         return num_full_blocks
+
+
+Sequence.register(AnnotatedTokens)

@@ -58,7 +58,7 @@ import struct
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Sequence
 from operator import attrgetter
-from typing import Any, NewType, cast
+from typing import Any, NewType
 
 import blake3
 import xxhash
@@ -139,6 +139,12 @@ def _field(tag: int, value: str | int | None, name: str) -> bytes:
             raise ValueError(f"{name}: expected a str encodable as UTF-8, found {value!r}") from exc
         return _FIELD.pack(tag, _TYPE_STR, len(payload)) + payload
     return _FIELD.pack(tag, _TYPE_INT, _U64.size) + _U64.pack(value)
+
+
+def _describe_key(key: object) -> str:
+    if isinstance(key, bytes):
+        return f"{len(key)} bytes"
+    return type(key).__name__
 
 
 def _check_optional_str(value: object, name: str) -> str | None:
@@ -320,10 +326,45 @@ class BlockHasher:
             The keys of blocks ``len(block_hashes), ...``, often empty.
         """
         num_done = len(block_hashes)
-        if (num_done + 1) * self._block_size > len(tokens):
+        block_size = self._block_size
+        num_full_blocks = len(tokens) // block_size
+        if num_done >= num_full_blocks:
+            if num_done > num_full_blocks:
+                raise ValueError(
+                    f"block_hashes: expected at most {num_full_blocks} keys (full blocks of "
+                    f"{block_size} in {len(tokens)} tokens), found {num_done}"
+                )
             return []
-        parent = block_hashes[-1] if num_done else None
-        return self.hash_blocks(tokens, parent=parent, start_block=num_done)
+        if not isinstance(tokens, AnnotatedTokens):
+            raise TypeError(f"tokens: expected an AnnotatedTokens, found {type(tokens).__name__}")
+        if num_done == 0:
+            return self._chain(tokens, self._root, 0, num_full_blocks)
+        parent = block_hashes[-1]
+        if not isinstance(parent, bytes) or len(parent) != self._digest_size:
+            raise ValueError(
+                f"block_hashes[-1]: expected a {self._digest_size}-byte {self._algorithm} key, "
+                f"found {_describe_key(parent)}"
+            )
+        if num_full_blocks - num_done == 1:
+            return [self._one_block(tokens, parent, num_done)]
+        return self._chain(tokens, parent, num_done, num_full_blocks)
+
+    def _one_block(self, tokens: AnnotatedTokens, parent: bytes, block: int) -> BlockHash:
+        """Key of one block: `_chain` for a single block, minus its per-call setup."""
+        block_size = self._block_size
+        start = block * block_size
+        preimage = parent + tokens.packed(start, start + block_size)
+        annotations = tokens.annotations
+        if annotations:
+            last = annotations[-1]
+            if last.token_index + last.token_count > start:
+                records = self._records(annotations, block, 1)
+                if records is not None:
+                    preimage += records[0]
+        oneshot = self._oneshot
+        if oneshot is not None:
+            return BlockHash(oneshot(preimage))
+        return BlockHash(self._new(preimage).digest())
 
     def _chain(
         self, tokens: AnnotatedTokens, parent: bytes, start_block: int, num_full_blocks: int
@@ -336,7 +377,8 @@ class BlockHasher:
         records = self._records(tokens.annotations, start_block, num_blocks)
         step = 4 * block_size
         offsets = range(0, len(data), step)
-        keys: list[bytes] = []
+        # list[Any]: wrapping each key in BlockHash() would cost a call per block.
+        keys: list[Any] = []
         append = keys.append
         oneshot = self._oneshot
         new = self._new
@@ -359,7 +401,7 @@ class BlockHasher:
             for offset, record in zip(offsets, records, strict=True):
                 parent = new(parent + data[offset : offset + step] + record).digest()
                 append(parent)
-        return cast(list[BlockHash], keys)
+        return keys
 
     def _records(
         self,
@@ -371,29 +413,47 @@ class BlockHasher:
         block_size = self._block_size
         first_token = start_block * block_size
         stop_token = first_token + num_blocks * block_size
-        if not annotations or annotations[-1].token_end <= first_token:
+        if not annotations:
             return None
-        records: list[bytes] | None = None
+        last = annotations[-1]
+        if last.token_index + last.token_count <= first_token:
+            return None
+        records = [b""] * num_blocks
+        pack_head = _RECORD_HEAD.pack
         # Annotations are sorted and disjoint, so their ends are sorted too.
         first = bisect_right(annotations, first_token, key=_token_end)
         for ann in annotations[first:]:
             token_index = ann.token_index
             if token_index >= stop_token:
                 break
-            token_end = token_index + ann.token_count
+            # Clip to the blocks being hashed; block starts are re-based below.
+            lo_token = max(token_index, first_token)
+            hi_token = min(token_index + ann.token_count, stop_token)
             content_hash = ann.content_hash
             # The part of a record that is the same in every block of this item.
             tail = _RECORD_TAIL.pack(ann.content_length, len(content_hash)) + content_hash
-            base_offset = ann.content_offset - token_index
-            first_block = max(token_index // block_size, start_block)
-            last_block = min((token_end - 1) // block_size, start_block + num_blocks - 1)
-            if records is None:
-                records = [b""] * num_blocks
-            for block in range(first_block, last_block + 1):
+            offset_shift = ann.content_offset - token_index
+            # Blocks the item covers whole (most of them), then the partial ends.
+            inner_lo = -(-lo_token // block_size)
+            inner_hi = hi_token // block_size
+            if inner_lo < inner_hi:
+                records[inner_lo - start_block : inner_hi - start_block] = [
+                    pack_head(0, block_size, block_start + offset_shift) + tail
+                    for block_start in range(
+                        inner_lo * block_size, inner_hi * block_size, block_size
+                    )
+                ]
+            ends: tuple[tuple[int, int], ...]
+            if inner_lo <= inner_hi:
+                ends = ((lo_token, inner_lo * block_size), (inner_hi * block_size, hi_token))
+            else:  # inside one block, touching neither of its edges
+                ends = ((lo_token, hi_token),)
+            for lo, hi in ends:
+                if lo >= hi:
+                    continue
+                block = lo // block_size
                 block_start = block * block_size
-                lo = max(token_index, block_start)
-                hi = min(token_end, block_start + block_size)
                 records[block - start_block] += (
-                    _RECORD_HEAD.pack(lo - block_start, hi - lo, base_offset + lo) + tail
+                    pack_head(lo - block_start, hi - lo, lo + offset_shift) + tail
                 )
         return records
