@@ -275,7 +275,7 @@ _WORDS = tuple(_LEXICON.split())
 class SyntheticConfig:
     """Shape of a synthetic trace (`synthetic_trace`)."""
 
-    num_requests: int = 96
+    num_requests: int = 160
     num_tenants: int = 3
     num_images: int = 16
     num_audio_clips: int = 6

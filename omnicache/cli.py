@@ -1,0 +1,452 @@
+"""The ``omnicache`` command: serve a multimodal workload through the cache, or hash media.
+
+    omnicache demo [--quick] [--requests N] [--seed S]   the embedded synthetic trace
+    omnicache replay TRACE.jsonl                         a JSONL trace (omnicache.workloads)
+    omnicache hash FILE...                               content digests of media files
+
+``demo`` and ``replay`` compute every request twice, from scratch and through
+the prefix cache (`omnicache.model`), check that both give the same hidden
+states and logits (``torch.allclose``, atol = rtol = 1e-5), and print a summary
+table. Options: ``--block-size``, ``--num-blocks``, ``--algorithm`` (content
+digests and block keys), ``--salt`` (mixed into every tenant's salt),
+``--plot out.png`` (hit rate and time against cache size, from reruns at
+several ``--num-blocks``), ``--progress`` (progress bar even when stderr is
+not a terminal) and ``--threads``.
+
+Exit status:
+    0  success: every request matched its recompute, no stale read
+    1  a mismatch or a stale read (the table says which requests)
+    2  usage error: a bad option or value (also a pool too small for a prompt)
+    3  bad input: a malformed trace (the message names the line) or an
+       unreadable, unknown or missing file given to ``hash``
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import NamedTuple, TextIO
+
+import torch
+from PIL import Image, ImageDraw, ImageFont
+
+from hashing import ALGORITHMS, Algorithm, ContentHash, hash_audio, hash_bytes, hash_image
+from omnicache.model import (
+    ATOL,
+    RTOL,
+    CacheConfig,
+    ModelConfig,
+    Processor,
+    Reference,
+    RunReport,
+    TinyOmniModel,
+    check_fits,
+    run_cached,
+)
+from omnicache.workloads import (
+    SyntheticConfig,
+    Trace,
+    TraceError,
+    load_trace,
+    read_wav,
+    synthetic_trace,
+)
+
+__all__ = ["EXIT_BAD_INPUT", "EXIT_MISMATCH", "EXIT_OK", "EXIT_USAGE", "main"]
+
+EXIT_OK = 0
+EXIT_MISMATCH = 1
+EXIT_USAGE = 2
+EXIT_BAD_INPUT = 3
+
+QUICK_MODEL = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, mlp_size=128)
+QUICK_TRACE = SyntheticConfig(num_requests=24, num_images=8, num_audio_clips=3)
+
+# Encoded media that `hash` digests as file bytes, by extension.
+_BYTES_MODALITY = {
+    ".mp3": "audio",
+    ".flac": "audio",
+    ".ogg": "audio",
+    ".opus": "audio",
+    ".m4a": "audio",
+    ".aac": "audio",
+    ".mp4": "video",
+    ".webm": "video",
+    ".mkv": "video",
+    ".mov": "video",
+    ".avi": "video",
+}
+
+
+class _UsageError(Exception):
+    pass
+
+
+class Progress:
+    """A one-line progress bar on a stream, redrawn at most every 0.1 s."""
+
+    def __init__(self, stream: TextIO, label: str, enabled: bool) -> None:
+        self.stream = stream
+        self.label = label
+        self.enabled = enabled
+        self._last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if done < total and now - self._last < 0.1:
+            return
+        self._last = now
+        width = 30
+        filled = width * done // max(total, 1)
+        bar = "#" * filled + "-" * (width - filled)
+        end = "\n" if done >= total else ""
+        self.stream.write(f"\r{self.label:<22} [{bar}] {done}/{total}{end}")
+        self.stream.flush()
+
+
+# -- demo and replay ------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, found {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, found {value}")
+    return value
+
+
+def _add_serve_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block")
+    parser.add_argument(
+        "--num-blocks", type=_positive_int, default=CacheConfig().num_blocks,
+        help="blocks in the pool (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--algorithm", choices=ALGORITHMS, default=None,
+        help="hash algorithm for content digests and block keys "
+        "(default: blake3 for content, sha256 for block keys)",
+    )  # fmt: skip
+    parser.add_argument("--salt", default="", help="deployment salt mixed into every tenant's salt")
+    parser.add_argument(
+        "--plot", type=Path, metavar="PNG",
+        help="also rerun at several cache sizes and draw hit rate and time against them",
+    )  # fmt: skip
+    parser.add_argument(
+        "--progress", action="store_true", help="show a progress bar even if stderr is no terminal"
+    )
+    parser.add_argument(
+        "--threads", type=_positive_int, default=1,
+        help="torch threads (default 1: comparable timings on a shared machine)",
+    )  # fmt: skip
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="omnicache",
+        description="Content-hash keyed prefix cache for multimodal serving: demo, replay, hash.",
+        epilog="exit status: 0 ok, 1 mismatch or stale read, 2 usage error, 3 bad input",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = commands.add_parser(
+        "demo", help="serve the embedded synthetic trace through a small transformer"
+    )
+    demo.add_argument("--requests", type=_positive_int, help="requests in the synthetic trace")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
+    demo.add_argument(
+        "--quick", action="store_true", help="a small trace and model (a few seconds)"
+    )
+    _add_serve_options(demo)
+    replay = commands.add_parser("replay", help="serve a JSONL trace (see omnicache.workloads)")
+    replay.add_argument("trace", type=Path, metavar="TRACE.jsonl")
+    replay.add_argument("--quick", action="store_true", help="use the small model")
+    _add_serve_options(replay)
+    hasher = commands.add_parser("hash", help="print content digests of image and audio files")
+    hasher.add_argument("files", type=Path, nargs="+", metavar="FILE")
+    hasher.add_argument("--algorithm", choices=ALGORITHMS, default="blake3")
+    return parser
+
+
+def _fmt_int(value: int) -> str:
+    return f"{value:,}"
+
+
+def _summary(
+    trace: Trace, model: TinyOmniModel, report: RunReport, threads: int, salt: str
+) -> list[str]:
+    cfg = model.config
+    num_images, distinct_images, num_clips, distinct_clips = trace.count_media()
+    rows = [
+        ("requests", _fmt_int(report.num_requests), f"{report.num_tenants} tenant salts"),
+        ("prompt tokens", _fmt_int(report.num_prompt_tokens), ""),
+        (
+            "hit tokens",
+            _fmt_int(report.num_hit_tokens),
+            f"hit rate {report.hit_rate:.1%}",
+        ),
+        (
+            "best possible hit rate",
+            f"{report.best_hit_rate:.1%}",
+            f"an infinite cache on this trace ({_fmt_int(report.num_best_hit_tokens)} tokens)",
+        ),
+        (
+            "recompute saved",
+            f"{report.flops_saved:.1%}",
+            f"of model FLOPs (est.); {report.num_items_encoded} of {report.num_items} "
+            "item encodings run",
+        ),
+        ("time without cache", f"{report.seconds_reference:.2f} s", "full recompute per request"),
+        ("time with cache", f"{report.seconds_cached:.2f} s", "hashing and store included"),
+        ("speedup", f"{report.speedup:.2f}x", ""),
+        ("evictions", _fmt_int(report.num_evictions), ""),
+        ("stale reads", _fmt_int(report.num_stale_reads), "must be 0"),
+        (
+            "mismatches",
+            _fmt_int(report.num_mismatches),
+            f"must be 0: allclose(atol={ATOL:g}, rtol={RTOL:g}) on hidden states and "
+            f"logits; max |diff| {report.max_abs_diff:.1e}",
+        ),
+    ]
+    salt_note = ", with a deployment salt" if salt else ""
+    lines = [
+        f"trace: {trace.name}: {report.num_requests} requests, {len(trace.tenants)} tenants, "
+        f"{num_images} images ({distinct_images} distinct), {num_clips} audio clips "
+        f"({distinct_clips} distinct)",
+        f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads, "
+        f"MLP {cfg.mlp_size}, float32 on CPU, {threads} thread{'s' if threads > 1 else ''}",
+        f"cache: {report.num_blocks} blocks x {report.block_size} tokens, block keys "
+        f"{report.block_algorithm}, content digests {report.content_algorithm}{salt_note}",
+        "",
+    ]
+    width = max(len(name) for name, _, _ in rows)
+    value_width = max(len(value) for _, value, _ in rows)
+    for name, value, note in rows:
+        line = f"  {name:<{width}}  {value:>{value_width}}"
+        lines.append(f"{line}   {note}" if note else line)
+    return lines
+
+
+def _sweep_sizes(longest: int, block_size: int, num_distinct: int, chosen: int) -> list[int]:
+    """Cache sizes for the plot: from the smallest pool that admits every prompt to no eviction."""
+    smallest = -(-longest // block_size)
+    largest = max(smallest + 1, smallest + num_distinct)
+    sizes = {chosen}
+    for i in range(6):
+        sizes.add(round(smallest * (largest / smallest) ** (i / 5)))
+    return sorted(sizes)
+
+
+class _Series(NamedTuple):
+    name: str
+    color: str
+    values: list[float]
+
+
+class _Panel(NamedTuple):
+    """A plot panel: log-scaled cache sizes across, ``[y_min, y_max]`` up."""
+
+    label: str
+    left: int
+    right: int
+    top: int
+    bottom: int
+    y_max: float
+    series: list[_Series]
+
+    def xy(self, size: int, value: float, log_lo: float, log_span: float) -> tuple[float, float]:
+        x = self.left + (self.right - self.left) * (math.log(size) - log_lo) / log_span
+        y = self.bottom - (self.bottom - self.top) * value / (self.y_max or 1.0)
+        return x, y
+
+
+def _draw_plot(path: Path, reports: Sequence[RunReport], title: str) -> None:
+    """Hit rate and time against cache size, in two panels, with Pillow only."""
+    width, height = 1000, 420
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    font = ImageFont.load_default()
+    draw.text((20, 10), title, fill="black", font=font)
+    sizes = [r.num_blocks for r in reports]
+    log_lo = math.log(min(sizes))
+    log_span = (math.log(max(sizes)) - log_lo) or 1.0
+    max_seconds = max(max(r.seconds_cached, r.seconds_reference) for r in reports)
+    top, bottom, half = 60, height - 60, width // 2
+    panels = [
+        _Panel("hit rate (%) vs cache size (blocks, log scale)", 70, half - 40, top, bottom, 100.0,
+               [_Series("with this cache", "#1f77b4", [100 * r.hit_rate for r in reports]),
+                _Series("best possible (infinite cache)", "#999999",
+                        [100 * r.best_hit_rate for r in reports])]),
+        _Panel("serving time (s) vs cache size (blocks, log scale)", half + 70, width - 40, top,
+               bottom, 1.1 * max_seconds,
+               [_Series("with cache", "#ff7f0e", [r.seconds_cached for r in reports]),
+                _Series("without cache", "#999999", [r.seconds_reference for r in reports])]),
+    ]  # fmt: skip
+    for panel in panels:
+        left = panel.left
+        draw.text((left, top - 22), panel.label, fill="black", font=font)
+        draw.line([(left, top), (left, bottom), (panel.right, bottom)], fill="black")
+        for k in range(5):
+            value = panel.y_max * k / 4
+            _, y = panel.xy(sizes[0], value, log_lo, log_span)
+            draw.line([(left - 4, y), (left, y)], fill="black")
+            draw.text((left - 45, y - 6), f"{value:.3g}", fill="black", font=font)
+        for size in sizes:
+            x, _ = panel.xy(size, 0.0, log_lo, log_span)
+            draw.line([(x, bottom), (x, bottom + 4)], fill="black")
+            draw.text((x - 10, bottom + 8), str(size), fill="black", font=font)
+        for rank, series in enumerate(panel.series):
+            points = [
+                panel.xy(size, value, log_lo, log_span)
+                for size, value in zip(sizes, series.values, strict=True)
+            ]
+            if len(points) > 1:
+                draw.line(points, fill=series.color, width=2)
+            for x, y in points:
+                draw.ellipse([(x - 3, y - 3), (x + 3, y + 3)], fill=series.color)
+            key_y = bottom + 26 + 14 * rank
+            draw.rectangle([(left + 10, key_y), (left + 20, key_y + 8)], fill=series.color)
+            draw.text((left + 26, key_y - 2), series.name, fill="black", font=font)
+    image.save(path, format="PNG")
+
+
+def _serve(args: argparse.Namespace, trace: Trace, model_config: ModelConfig) -> int:
+    torch.set_num_threads(args.threads)
+    algorithm: Algorithm | None = args.algorithm
+    model = TinyOmniModel(model_config)
+    processor = Processor(model_config, algorithm=algorithm or "blake3")
+    cache_config = CacheConfig(
+        num_blocks=args.num_blocks, block_size=args.block_size, algorithm=algorithm, salt=args.salt
+    )
+    try:
+        longest = check_fits(model, processor, trace, cache_config)
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from None
+    show = bool(args.progress or sys.stderr.isatty())
+    # Warm-up (not counted): first calls pay for lazy imports and allocator growth.
+    first = Trace(trace.name, trace.requests[:1])
+    run_cached(model, Processor(model_config), first, cache_config, [])
+    references: list[Reference] = []
+    report = run_cached(
+        model, processor, trace, cache_config, references, Progress(sys.stderr, "serving", show)
+    )
+    print(f"omnicache {args.command}")
+    for line in _summary(trace, model, report, args.threads, args.salt):
+        print(line)
+    reports = [report]
+    if args.plot is not None:
+        sizes = _sweep_sizes(longest, args.block_size, report.num_distinct_blocks, args.num_blocks)
+        print()
+        print("cache size sweep (--plot):")
+        print(f"  {'blocks':>7}  {'hit rate':>8}  {'best':>6}  {'with cache':>10}  "
+              f"{'speedup':>7}  {'evictions':>9}  {'mismatches':>10}")  # fmt: skip
+        sweep: list[RunReport] = []
+        for size in sizes:
+            if size == args.num_blocks:
+                result = report
+            else:
+                result = run_cached(
+                    model, processor, trace, replace(cache_config, num_blocks=size), references,
+                    Progress(sys.stderr, f"{size} blocks", show),
+                )  # fmt: skip
+                reports.append(result)
+            sweep.append(result)
+            print(f"  {size:>7}  {result.hit_rate:>8.1%}  {result.best_hit_rate:>6.1%}  "
+                  f"{result.seconds_cached:>8.2f} s  {result.speedup:>6.2f}x  "
+                  f"{result.num_evictions:>9}  {result.num_mismatches:>10}")  # fmt: skip
+        _draw_plot(args.plot, sweep, f"omnicache {args.command}: {trace.name}")
+        print(f"plot written to {args.plot}")
+    failed = [r for r in reports if not r.ok]
+    if failed:
+        for r in failed:
+            shown = ", ".join(r.mismatched_requests[:5])
+            more = " ..." if len(r.mismatched_requests) > 5 else ""
+            print(
+                f"omnicache: FAILED at {r.num_blocks} blocks: {r.num_mismatches} mismatches "
+                f"({shown}{more}), {r.num_stale_reads} stale reads",
+                file=sys.stderr,
+            )
+        return EXIT_MISMATCH
+    print()
+    print("ok: every request matched its full recompute; no stale read")
+    return EXIT_OK
+
+
+# -- hash ------------------------------------------------------------------------
+
+
+def _hash_file(path: Path, algorithm: Algorithm) -> tuple[ContentHash, str]:
+    """The file's content digest and its kind ("image", "audio", or "<modality>-bytes")."""
+    suffix = path.suffix.lower()
+    Image.init()
+    if suffix in Image.registered_extensions():
+        with Image.open(path) as opened:
+            opened.load()
+            return hash_image(opened, algorithm=algorithm), "image"
+    if suffix == ".wav":
+        waveform, sample_rate = read_wav(path)
+        return hash_audio(waveform, sample_rate, algorithm=algorithm), "audio"
+    modality = _BYTES_MODALITY.get(suffix)
+    if modality is None:
+        raise ValueError(
+            f"unknown file type {suffix or '(no extension)'!r}: expected an image "
+            f"({', '.join(sorted(Image.registered_extensions())[:6])}, ...), .wav audio, or "
+            f"encoded media ({', '.join(sorted(_BYTES_MODALITY))})"
+        )
+    return hash_bytes(
+        path.read_bytes(), modality=modality, algorithm=algorithm
+    ), f"{modality}-bytes"
+
+
+def _hash(args: argparse.Namespace) -> int:
+    status = EXIT_OK
+    for path in args.files:
+        try:
+            if not path.is_file():
+                raise ValueError("no such file")
+            digest, kind = _hash_file(path, args.algorithm)
+        except (OSError, ValueError) as exc:
+            print(f"omnicache hash: {path}: {exc}", file=sys.stderr)
+            status = EXIT_BAD_INPUT
+            continue
+        print(f"{digest.hex()}  {kind:<11}  {path}")
+    return status
+
+
+# -- entry point ------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line; returns the exit status (see the module docstring)."""
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    try:
+        if args.command == "hash":
+            return _hash(args)
+        if args.command == "demo":
+            cfg = QUICK_TRACE if args.quick else SyntheticConfig()
+            if args.requests is not None:
+                cfg = replace(cfg, num_requests=args.requests)
+            if args.seed < 0:
+                raise _UsageError(f"--seed: expected an int >= 0, found {args.seed}")
+            trace = synthetic_trace(cfg, seed=args.seed)
+        else:
+            trace = load_trace(args.trace)
+        return _serve(args, trace, QUICK_MODEL if args.quick else ModelConfig())
+    except _UsageError as exc:
+        parser.print_usage(sys.stderr)
+        print(f"omnicache: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except TraceError as exc:
+        print(f"omnicache: bad trace: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
