@@ -74,10 +74,12 @@ HIDDEN_STATES = "hidden_states"
 # Fill count of a block whose rows did not arrive in order from offset 0.
 _BROKEN = -1
 
-# Widest element types to move rows with, by size in bytes. Copy and gather
-# kernels move one element per step, so viewing a bf16 row as complex128
-# moves 8 values per step (measured ~1.4x faster writes on CPU); the bits are
-# moved, never converted.
+# Widest element types to move rows with, by size in bytes. Scatter and
+# gather kernels move one element per step, so viewing a bf16 row as
+# complex128 moves 8 values per step (measured ~2.7x faster scattered writes
+# on CPU); the bits are moved, never converted. Scatters use index_put_:
+# index_copy_ into a large tensor costs time in proportion to the tensor,
+# not to the rows copied.
 _WIDE_DTYPES: tuple[tuple[int, torch.dtype], ...] = (
     (16, torch.complex128),
     (8, torch.int64),
@@ -86,9 +88,10 @@ _WIDE_DTYPES: tuple[tuple[int, torch.dtype], ...] = (
     (1, torch.uint8),
 )
 
-# A write whose slots form at most this many contiguous runs is done with
-# one copy_ per run instead of an indexed copy.
-_MAX_COPY_RUNS = 8
+# A write whose slots form at most this many runs of consecutive slots is
+# done with one copy_ per run instead of one indexed copy. NOTE: each parallel
+# op costs a thread wake-up, so more than one run is cheaper as one op.
+_MAX_COPY_RUNS = 1
 
 
 class StaleBlockError(LookupError):
@@ -238,7 +241,8 @@ class _Entry:
     wide_dtype: torch.dtype
     wide_dim: int
     filled: npt.NDArray[np.int32]
-    stamps: list[BlockHash | None]
+    # Object array of BlockHash or None: vectorized stamping and checks.
+    stamps: npt.NDArray[np.object_]
     # CUDA events of asynchronous copies into ``cache`` not yet waited for.
     pending: list[torch.cuda.Event] = field(default_factory=list)
 
@@ -256,6 +260,10 @@ class _Segments(NamedTuple):
     lens: IntArray
     # Whether a block appears in more than one run.
     repeated_blocks: bool
+    # First row of each run of consecutive slots across block boundaries.
+    copy_starts: IntArray
+    # Whether every run is one whole block (then ``blocks`` are the targets).
+    whole_blocks: bool
 
 
 class _Plan(NamedTuple):
@@ -390,7 +398,8 @@ class TensorStore:
         """Returns the key block ``block_id`` holds for entry ``name``, or None."""
         entry = self._entry(name)
         self._check_block_id("block_id", block_id)
-        return entry.stamps[block_id]
+        stamp: BlockHash | None = entry.stamps[block_id]
+        return stamp
 
     # -- block pool ----------------------------------------------------------
 
@@ -430,14 +439,13 @@ class TensorStore:
         for index, block_id in enumerate(ids):
             self._check_block_id(f"block_ids[{index}]", block_id)
         for entry in self._entries.values():
-            for block_id in ids:
-                entry.stamps[block_id] = None
+            entry.stamps[ids] = None
             entry.filled[ids] = 0
 
     def invalidate_all(self) -> None:
         """Clears every stamp and fill count (staged rows stay)."""
         for entry in self._entries.values():
-            entry.stamps = [None] * self.num_blocks
+            entry.stamps[:] = None
             entry.filled[:] = 0
 
     # -- writes -------------------------------------------------------------
@@ -885,38 +893,81 @@ class TensorStore:
         # Every check passed.
         self._stats.num_read_requests += len(requests)
         self._stats.num_stale_reads += len(misses)
+        self._stats.num_hit_blocks_read += sum(
+            len(ids) for ids, offset in zip(hit_ids, offsets, strict=True) if offset is not None
+        )
+        gather = self._gather_index(hit_ids, offsets, total_rows)
         tensors: dict[str, dict[str, torch.Tensor]] = {}
-        bs = self.block_size
         for entry, value in entries:
             self._sync(entry)
             buf = out[entry.spec.name] if out is not None else self._empty(entry, total_rows)
-            flat_out = buf.view(-1, entry.dim)
-            new_rows = value.detach().reshape(value.shape[0], entry.dim)
+            flat_out = buf.view(-1, entry.dim)[:total_rows]
+            self._merge_into(entry, flat_out, value, gather, spans, offsets, hit_ids)
             per_req: dict[str, torch.Tensor] = {}
-            for request, ids, (start, stop), offset in zip(
-                requests, hit_ids, spans, offsets, strict=True
-            ):
-                if offset is None:
-                    continue
-                num_cached = len(ids) * bs
-                if num_cached:
-                    self._gather_blocks(entry, ids, flat_out[offset : offset + num_cached])
-                if stop > start:
-                    flat_out[offset + num_cached : offset + num_cached + stop - start].copy_(
-                        new_rows[start:stop], non_blocking=self.pin_memory
-                    )
-                per_req[request.req_id] = flat_out[
-                    offset : offset + num_cached + stop - start
-                ].view(-1, *entry.spec.row_shape)
+            for request, ids, offset in zip(requests, hit_ids, offsets, strict=True):
+                if offset is not None:
+                    num_rows = len(ids) * self.block_size + request.num_new_tokens
+                    rows = flat_out[offset : offset + num_rows]
+                    per_req[request.req_id] = rows.view(num_rows, *entry.spec.row_shape)
             tensors[entry.spec.name] = per_req
-        for ids, offset in zip(hit_ids, offsets, strict=True):
-            if offset is not None:
-                self._stats.num_hit_blocks_read += len(ids)
         if self.pin_memory and any(v.is_cuda for _, v in entries):
             # NOTE: new rows were copied from CUDA asynchronously; the caller
             # reads the buffers on the CPU right away.
             torch.cuda.current_stream().synchronize()
         return MergedRead(tensors, passthrough, tuple(misses))
+
+    def _gather_index(
+        self, hit_ids: Sequence[IntArray], offsets: Sequence[int | None], total_rows: int
+    ) -> torch.Tensor | None:
+        """The slot each output row of a merged read is gathered from.
+
+        NOTE: the cached rows of every request are one gather, not one per
+        request: each parallel op wakes the thread pool, which on a loaded
+        host costs more than a small copy. Rows that will take this step's
+        rows gather slot 0 and are overwritten.
+
+        Returns:
+            ``(total_rows,)`` slots on the store's device, or None when no
+            request has cached rows.
+        """
+        bs = self.block_size
+        gather = np.zeros(total_rows, dtype=np.int64)
+        num_cached = 0
+        for ids, offset in zip(hit_ids, offsets, strict=True):
+            if offset is not None and len(ids):
+                n = len(ids) * bs
+                gather[offset : offset + n] = (ids[:, None] * bs + np.arange(bs)).reshape(-1)
+                num_cached += n
+        if not num_cached:
+            return None
+        index = torch.from_numpy(gather)
+        return index if self.device.type == "cpu" else index.to(self.device)
+
+    def _merge_into(
+        self,
+        entry: _Entry,
+        flat_out: torch.Tensor,
+        value: torch.Tensor,
+        gather: torch.Tensor | None,
+        spans: Sequence[tuple[int, int]],
+        offsets: Sequence[int | None],
+        hit_ids: Sequence[IntArray],
+    ) -> None:
+        if gather is not None:
+            dst_w, src_w = _widen_pair(entry, flat_out, entry.flat)
+            torch.index_select(src_w, 0, gather, out=dst_w)
+        # NOTE: in the wide dtype a request's few new rows usually stay below
+        # the intra-op grain, so these copies run inline; across devices each
+        # is one (asynchronous) DMA copy.
+        new_rows = value.detach().reshape(value.shape[0], entry.dim)
+        dst_w, src_w = _widen_pair(entry, flat_out, new_rows)
+        bs = self.block_size
+        for ids, (start, stop), offset in zip(hit_ids, spans, offsets, strict=True):
+            if offset is not None and stop > start:
+                first = offset + len(ids) * bs
+                dst_w[first : first + stop - start].copy_(
+                    src_w[start:stop], non_blocking=self.pin_memory
+                )
 
     def synchronize(self) -> None:
         """Waits for every asynchronous copy into the cache tensors."""
@@ -980,7 +1031,7 @@ class TensorStore:
             wide_dtype=wide_dtype,
             wide_dim=row_bytes // wide_size,
             filled=np.zeros(self.num_blocks, dtype=np.int32),
-            stamps=[None] * self.num_blocks,
+            stamps=np.full(self.num_blocks, None, dtype=object),
         )
 
     def _entry(self, name: str) -> _Entry:
@@ -1002,31 +1053,38 @@ class TensorStore:
         if not 0 <= block_id < self.num_blocks:
             raise IndexError(f"{what}: expected 0..{self.num_blocks - 1}, found {block_id}")
 
-    def _block_id_array(self, what: str, block_ids: Sequence[int]) -> IntArray:
-        arr = np.asarray(block_ids)
-        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+    def _block_id_array(
+        self, what: str, block_ids: Sequence[int], *, distinct: bool = True
+    ) -> IntArray:
+        ids = np.asarray(block_ids)
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
             raise TypeError(f"{what}: expected a flat sequence of int, found {block_ids!r}")
-        ids = arr.astype(np.int64)
-        bad = np.flatnonzero((ids < 0) | (ids >= self.num_blocks))
-        if bad.size:
-            index = int(bad[0])
+        if not ids.size:
+            return ids.astype(np.int64)
+        ids = ids.astype(np.int64, copy=False)
+        if ids.min() < 0 or ids.max() >= self.num_blocks:
+            index = int(np.flatnonzero((ids < 0) | (ids >= self.num_blocks))[0])
             raise IndexError(
                 f"{what}[{index}]: expected 0..{self.num_blocks - 1}, found {int(ids[index])}"
             )
-        if len(np.unique(ids)) != len(ids):
+        if distinct and np.bincount(ids).max() > 1:
             raise ValueError(f"{what}: expected distinct blocks, found {ids.tolist()}")
         return ids
 
     def _hit_blocks(self, block_ids: Sequence[int], block_keys: Sequence[BlockHash]) -> IntArray:
+        """Blocks to read; a block may repeat (reading it twice is harmless)."""
         if len(block_ids) != len(block_keys):
             raise ValueError(
                 f"block_keys: expected {len(block_ids)} keys (one per block), "
                 f"found {len(block_keys)}"
             )
-        for index, key in enumerate(block_keys):
-            if not isinstance(key, bytes):
-                raise TypeError(f"block_keys[{index}]: expected bytes, found {type(key).__name__}")
-        return self._block_id_array("block_ids", block_ids)
+        if not all(issubclass(t, bytes) for t in set(map(type, block_keys))):
+            for index, key in enumerate(block_keys):
+                if not isinstance(key, bytes):
+                    raise TypeError(
+                        f"block_keys[{index}]: expected bytes, found {type(key).__name__}"
+                    )
+        return self._block_id_array("block_ids", block_ids, distinct=False)
 
     def _spans(self, requests: Sequence[ScheduledRequest]) -> list[tuple[int, int]]:
         spans: list[tuple[int, int]] = []
@@ -1109,20 +1167,22 @@ class TensorStore:
         """Cuts ``slots`` into runs; rejects a slot given twice."""
         n = len(slots)
         bs = self.block_size
-        blocks = slots // bs
-        offsets = slots - blocks * bs
+        blocks, offsets = np.divmod(slots, bs)
         if n:
+            gap = np.diff(slots) != 1
+            copy_starts = np.concatenate(([0], np.flatnonzero(gap) + 1))
             brk = np.empty(n, dtype=bool)
             brk[0] = True
-            np.not_equal(np.diff(slots), 1, out=brk[1:])
-            brk[1:] |= offsets[1:] == 0
+            np.logical_or(gap, offsets[1:] == 0, out=brk[1:])
             starts = np.flatnonzero(brk)
         else:
-            starts = np.zeros(0, dtype=np.int64)
+            copy_starts = starts = np.zeros(0, dtype=np.int64)
         seg_blocks = blocks[starts]
+        seg_offsets = offsets[starts]
+        lens = np.diff(np.append(starts, n))
         # NOTE: runs hold distinct slots of one block each, so a slot can
         # repeat only where a block starts more than one run.
-        repeated = len(np.unique(seg_blocks)) != len(seg_blocks)
+        repeated = bool(n) and int(np.bincount(seg_blocks).max()) > 1
         if repeated:
             uniq, counts = np.unique(slots, return_counts=True)
             if len(uniq) != n:
@@ -1131,14 +1191,17 @@ class TensorStore:
                 raise ValueError(
                     f"slot_mapping: expected distinct slots, found slot {dup} at rows {where}"
                 )
+        whole = bool(n) and not repeated and not seg_offsets.any() and bool((lens == bs).all())
         return _Segments(
             slots=slots,
             slots_tensor=slots_tensor,
             starts=starts,
             blocks=seg_blocks,
-            offsets=offsets[starts],
-            lens=np.diff(np.append(starts, n)),
+            offsets=seg_offsets,
+            lens=lens,
             repeated_blocks=repeated,
+            copy_starts=copy_starts,
+            whole_blocks=whole,
         )
 
     def _apply(self, plan: _Plan, block_keys: Mapping[int, BlockHash]) -> WriteResult:
@@ -1170,19 +1233,16 @@ class TensorStore:
                 np.where(prev == segs.offsets, segs.offsets + segs.lens, _BROKEN),
             )
             touched = segs.blocks
-        full = (filled[touched] == bs).tolist()
-        stamps = entry.stamps
-        stamped: list[int] = []
-        incomplete: list[int] = []
-        for block, is_full in zip(touched.tolist(), full, strict=True):
-            key = block_keys.get(block)
-            if key is not None and is_full:
-                stamps[block] = key
-                stamped.append(block)
-            else:
-                stamps[block] = None
-                if key is not None:
-                    incomplete.append(block)
+        # NOTE: every touched block loses its stamp unless this write completes
+        # it under its key: its rows changed.
+        keys = np.empty(len(touched), dtype=object)
+        keys[:] = list(map(block_keys.get, touched.tolist()))
+        keyed = keys != None  # noqa: E711 (elementwise on an object array)
+        stamp = keyed & (filled[touched] == bs)
+        stamped = touched[stamp].tolist()
+        incomplete = touched[keyed & ~stamp].tolist()
+        keys[~stamp] = None
+        entry.stamps[touched] = keys
         self._stats.num_rows_written += n
         self._stats.num_stamped_blocks += len(stamped)
         self._stats.num_incomplete_blocks += len(incomplete)
@@ -1190,7 +1250,8 @@ class TensorStore:
 
     def _copy_rows(self, plan: _Plan) -> None:
         entry = plan.entry
-        slots = plan.segs.slots
+        segs = plan.segs
+        slots = segs.slots
         n = len(slots)
         src = plan.rows.detach()[:n].reshape(n, entry.dim)
         # NOTE: an earlier asynchronous copy into these slots must land first.
@@ -1198,7 +1259,7 @@ class TensorStore:
         if src.is_cuda and self.device.type == "cpu":
             # Each run of consecutive slots is one copy from the device into
             # the (pinned) cache; readers wait for the event.
-            for start, stop in _runs(slots):
+            for start, stop in _runs(segs.copy_starts, n):
                 first = int(slots[start])
                 entry.flat[first : first + stop - start].copy_(
                     src[start:stop], non_blocking=self.pin_memory
@@ -1210,20 +1271,24 @@ class TensorStore:
             return
         if src.device != self.device:
             src = src.to(self.device)
-        if self.device.type == "cpu":
-            runs = _runs(slots)
-            if len(runs) <= _MAX_COPY_RUNS:
-                for start, stop in runs:
-                    first = int(slots[start])
-                    entry.flat[first : first + stop - start].copy_(src[start:stop])
-                return
-        index = plan.segs.slots_tensor
-        if index is None or index.device != self.device:
-            index = torch.from_numpy(slots).to(self.device)
-        else:
-            index = index.to(torch.int64)
+        if self.device.type == "cpu" and len(segs.copy_starts) <= _MAX_COPY_RUNS:
+            for start, stop in _runs(segs.copy_starts, n):
+                first = int(slots[start])
+                entry.flat[first : first + stop - start].copy_(src[start:stop])
+            return
         dst_w, src_w = _widen_pair(entry, entry.flat, src)
-        dst_w.index_copy_(0, index, src_w)
+        if segs.whole_blocks:
+            # One index per block moves block_size rows at once.
+            index = torch.from_numpy(segs.blocks).to(self.device)
+            row_w = self.block_size * dst_w.shape[1]
+            dst_w.view(self.num_blocks, row_w).index_put_(
+                (index,), src_w.view(len(segs.blocks), row_w)
+            )
+            return
+        index_t = segs.slots_tensor
+        if index_t is None or index_t.device != self.device:
+            index_t = torch.from_numpy(slots).to(self.device)
+        dst_w.index_put_((index_t.to(torch.int64),), src_w)
 
     def _gather_blocks(self, entry: _Entry, ids: IntArray, flat_out: torch.Tensor) -> None:
         """Copies whole blocks ``ids`` into ``flat_out`` (``len(ids) * block_size`` rows)."""
@@ -1331,13 +1396,23 @@ def _check_block_keys(
         raise TypeError(
             f"block_keys: expected a mapping block id -> key, found {type(block_keys).__name__}"
         )
-    for block_id, key in block_keys.items():
-        if type(block_id) is not int or not 0 <= block_id < num_blocks:
-            raise IndexError(
-                f"block_keys: expected block ids 0..{num_blocks - 1}, found {block_id!r}"
-            )
-        if not isinstance(key, bytes):
-            raise TypeError(f"block_keys[{block_id}]: expected bytes, found {type(key).__name__}")
+    if not block_keys:
+        return block_keys
+    # NOTE: type sets are built in C; the per-item loops run only to name an error.
+    id_types = set(map(type, block_keys))
+    if id_types != {int} or min(block_keys) < 0 or max(block_keys) >= num_blocks:
+        for block_id in block_keys:
+            if type(block_id) is not int or not 0 <= block_id < num_blocks:
+                raise IndexError(
+                    f"block_keys: expected block ids 0..{num_blocks - 1}, found {block_id!r}"
+                )
+    key_types = set(map(type, block_keys.values()))
+    if not all(issubclass(t, bytes) for t in key_types):
+        for block_id, key in block_keys.items():
+            if not isinstance(key, bytes):
+                raise TypeError(
+                    f"block_keys[{block_id}]: expected bytes, found {type(key).__name__}"
+                )
     return block_keys
 
 
@@ -1370,15 +1445,15 @@ def _num_valid(
     """Leading blocks holding their keys for every entry, and the first failure."""
     best = len(ids)
     failure: tuple[_Entry, int] | None = None
-    id_list = ids.tolist()
+    if not best:
+        return best, failure
+    expected = np.empty(best, dtype=object)
+    expected[:] = list(keys)
     for entry in entries:
-        stamps = entry.stamps
-        for index in range(best):
-            block_id = id_list[index]
-            if stamps[block_id] != keys[index]:
-                best = index
-                failure = (entry, block_id)
-                break
+        bad = np.flatnonzero(entry.stamps[ids[:best]] != expected[:best])
+        if bad.size:
+            best = int(bad[0])
+            failure = (entry, int(ids[best]))
     return best, failure
 
 
@@ -1394,12 +1469,9 @@ def _widen_pair(
     return dst, src
 
 
-def _runs(slots: IntArray) -> list[tuple[int, int]]:
-    """``[start, stop)`` row ranges whose slots are consecutive."""
-    if not len(slots):
-        return []
-    starts = np.concatenate(([0], np.flatnonzero(np.diff(slots) != 1) + 1))
-    stops = np.append(starts[1:], len(slots))
+def _runs(starts: IntArray, n: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` row ranges from the first row of each run of ``n`` rows."""
+    stops = np.append(starts[1:], n)
     return list(zip(starts.tolist(), stops.tolist(), strict=True))
 
 

@@ -28,7 +28,6 @@ from omnicache.store import (
     StoreCapacityError,
     TensorStore,
     WriteResult,
-    _runs,
 )
 
 
@@ -290,30 +289,38 @@ def test_stamp_is_per_entry(cfg: Config) -> None:
 SCATTERED = [14, 3, 9, 0, 12, 6, 1, 10, 4, 15, 7, 2, 13, 8, 11, 5]
 
 
-def test_scattered_blocks_take_the_indexed_path() -> None:
-    slots = np.array(block_slots(SCATTERED, 2), dtype=np.int64)
-    assert len(_runs(slots)) == 16 > _MAX_COPY_RUNS
+def test_scattered_writes_take_the_indexed_paths() -> None:
+    store = TensorStore(16, 2)
+    whole = store._segments(np.array(block_slots(SCATTERED, 2), dtype=np.int64), None)
+    assert len(whole.copy_starts) == 16 > _MAX_COPY_RUNS and whole.whole_blocks
+    firsts = store._segments(np.array([2 * b for b in SCATTERED], dtype=np.int64), None)
+    assert len(firsts.copy_starts) == 16 and not firsts.whole_blocks
+    ordered = store._segments(np.array(block_slots([0, 1, 2, 3], 2), dtype=np.int64), None)
+    assert len(ordered.copy_starts) == 1 and ordered.whole_blocks
 
 
 def test_write_rows_are_moved_bit_exactly(cfg: Config) -> None:
     # bf16 bit patterns of every kind, NaN payloads included, through the
-    # wide (complex128) indexed copy and gather.
+    # wide (complex128) indexed copies (by slot and by block) and gathers.
     store = make(cfg, num_blocks=16, block_size=2)
     store.register("h", 8, torch.bfloat16)
     gen = torch.Generator().manual_seed(7)
     bits = torch.randint(-(2**15), 2**15, (32, 8), dtype=torch.int16, generator=gen)
     bits[0] = torch.tensor([0x7FC1, 0x7F81, -1, -32768, 0x7F80, 0, 1, -0x7F], dtype=torch.int16)
     data = bits.view(torch.bfloat16).to(cfg.source_device)
-    result = store.write(
-        "h", data, block_slots(SCATTERED, 2), block_keys={b: key(b) for b in SCATTERED}
-    )
-    assert result.stamped_block_ids == tuple(SCATTERED)
+    keys = {b: key(b) for b in SCATTERED}
+    # Offset 0 of every block (by slot), then offset 1 completes them.
+    first = store.write("h", data[0::2], [2 * b for b in SCATTERED], block_keys=keys)
+    assert first.stamped_block_ids == () and first.incomplete_block_ids == tuple(SCATTERED)
+    second = store.write("h", data[1::2], [2 * b + 1 for b in SCATTERED], block_keys=keys)
+    assert second.stamped_block_ids == tuple(SCATTERED)
     got = store.read_blocks("h", SCATTERED, [key(b) for b in SCATTERED])
     assert torch.equal(cpu(got).view(torch.int16), bits)
+    # Whole blocks by block id, in another order.
     order = sorted(SCATTERED)
+    store.write("h", data, block_slots(order, 2), block_keys=keys)
     got = store.read_blocks("h", order, [key(b) for b in order])
-    expected = torch.cat([bits[2 * SCATTERED.index(b) : 2 * SCATTERED.index(b) + 2] for b in order])
-    assert torch.equal(cpu(got).view(torch.int16), expected)
+    assert torch.equal(cpu(got).view(torch.int16), bits)
 
 
 @pytest.mark.parametrize(

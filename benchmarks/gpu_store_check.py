@@ -1,0 +1,353 @@
+"""TensorStore on a GPU machine: correctness first, then bandwidth. One script.
+
+Checks every store configuration this machine has:
+  cpu               CPU store fed from CPU tensors (always)
+  cuda              CUDA store fed from CUDA tensors
+  cuda<-cpu         CUDA store fed from CPU tensors
+  pinned<-cuda      pinned CPU store fed from CUDA tensors (non_blocking copies,
+                    one event per write)
+Every check compares exactly (torch.equal, or bit patterns) against the rows
+that were written; any mismatch is printed and the script exits 1. Then it
+prints write and merged-read bandwidth for the 8192 x 4096 bf16 workload on
+the fastest device here, next to a plain copy_ and the reference approach
+(flat[slots] = hs; cache[block_ids].reshape then torch.cat), each variant
+timed right after its ceiling copy_ (medians of --reps).
+
+Without CUDA it runs the cpu configuration only (CPU-only mode).
+
+On the GPU machine the image lacks blake3, which omnicache's block keys
+import. From the repository root here, once:
+
+    echo /.whl/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
+        --implementation cp --platform manylinux_2_17_x86_64 -d .whl blake3==1.0.11
+
+then run it there with ``.whl`` carried:
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \\
+      && PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 python3 benchmarks/gpu_store_check.py --pytest
+
+``--pytest`` first runs tests/test_store.py (parametrized over the CUDA
+configurations there) and the reuse simulation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from omnicache.block_hash import BlockHash
+from omnicache.block_pool import BlockPool
+from omnicache.store import (
+    HIDDEN_STATES,
+    ReadMiss,
+    ScheduledRequest,
+    StaleBlockError,
+    TensorStore,
+)
+
+
+class Config(NamedTuple):
+    name: str
+    store_device: str
+    source_device: str
+
+
+def configs() -> list[Config]:
+    found = [Config("cpu", "cpu", "cpu")]
+    if torch.cuda.is_available():
+        found += [
+            Config("cuda", "cuda", "cuda"),
+            Config("cuda<-cpu", "cuda", "cpu"),
+            Config("pinned<-cuda", "cpu", "cuda"),
+        ]
+    return found
+
+
+def key(i: int) -> BlockHash:
+    return BlockHash(i.to_bytes(16, "little"))
+
+
+def slots_of(block_ids: list[int], block_size: int) -> torch.Tensor:
+    ids = torch.tensor(block_ids, dtype=torch.int64)
+    return (ids[:, None] * block_size + torch.arange(block_size)).reshape(-1)
+
+
+class Checker:
+    def __init__(self) -> None:
+        self.failures: list[str] = []
+        self.num_checks = 0
+
+    def expect(self, ok: bool, what: str) -> None:
+        self.num_checks += 1
+        if not ok:
+            self.failures.append(what)
+            print(f"  MISMATCH: {what}")
+
+    def equal(self, got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+        ok = got.shape == want.shape and got.dtype == want.dtype
+        ok = ok and torch.equal(got.detach().cpu(), want.detach().cpu())
+        self.expect(ok, what)
+
+
+# -- correctness ---------------------------------------------------------------
+
+
+def check_config(cfg: Config, tokens: int, hidden: int, bs: int, chk: Checker) -> None:
+    src_dev, dtype = cfg.source_device, torch.bfloat16
+    gen = torch.Generator().manual_seed(1)
+    num_blocks = 2 * tokens // bs
+    store = TensorStore(num_blocks, bs, device=cfg.store_device)
+    pool = BlockPool(num_blocks, bs)
+    store.attach(pool)
+    label = cfg.name
+
+    # 1. A whole step into scattered whole blocks, keyed: the wide indexed path.
+    rows = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    blocks = pool.allocate(tokens // bs)
+    assert blocks is not None
+    perm = torch.randperm(len(blocks), generator=gen).tolist()
+    ids = [blocks[i].block_id for i in perm]
+    keys = [key(b + 1000) for b in ids]
+    ordered = [blocks[i] for i in perm]
+    pool.cache_full_blocks(ordered, keys, 0, len(ordered))
+    result = store.write_outputs(
+        slots_of(ids, bs),
+        hidden_states=rows.to(src_dev),
+        block_keys=dict(zip(ids, keys, strict=True)),
+    )
+    chk.expect(
+        result[HIDDEN_STATES].stamped_block_ids == tuple(ids), f"{label}: whole-block stamps"
+    )
+    chk.equal(store.read_blocks(HIDDEN_STATES, ids, keys), rows, f"{label}: whole-block rows")
+
+    # 2. Merged read of 8 requests, each hit + new rows, into preallocated buffers.
+    per = len(ids) // 8
+    new = torch.randn(8 * 16, hidden, generator=gen).to(dtype)
+    requests = [
+        ScheduledRequest(
+            f"r{i}", 16, per * bs, ids[i * per : (i + 1) * per], keys[i * per : (i + 1) * per]
+        )
+        for i in range(8)
+    ]
+    bufs = store.new_read_buffers(8 * (per * bs + 16))
+    merged = store.read_merged(requests, hidden_states=new.to(src_dev), out=bufs)
+    chk.expect(merged.misses == (), f"{label}: merged read misses")
+    for i in range(8):
+        want = torch.cat([rows[i * per * bs : (i + 1) * per * bs], new[i * 16 : (i + 1) * 16]])
+        chk.equal(merged.hidden_states[f"r{i}"], want, f"{label}: merged rows of r{i}")
+
+    # 3. Chunked writes by slot (partial blocks, odd chunk sizes) stamp on completion.
+    store.register("codes", 8, torch.int64)
+    codes = torch.randint(0, 2**31, (tokens, 8), generator=gen, dtype=torch.int64)
+    all_slots = slots_of(ids, bs)
+    start = 0
+    for size in (1, 7, 1000, 333, tokens):
+        stop = min(tokens, start + size)
+        done = {ids[j]: keys[j] for j in range(start // bs, stop // bs)}
+        store.write("codes", codes[start:stop].to(src_dev), all_slots[start:stop], block_keys=done)
+        start = stop
+    chk.expect(store.probe(ids, keys, ["codes"]) == len(ids), f"{label}: chunked stamps")
+    chk.equal(store.read_blocks("codes", ids, keys), codes, f"{label}: chunked rows")
+
+    # 4. Bit patterns (NaN payloads, -0, infinities) move unchanged.
+    bits = torch.randint(-(2**15), 2**15, (tokens, hidden), generator=gen, dtype=torch.int16)
+    bits[0, :6] = torch.tensor([0x7FC1, 0x7F81, -1, -32768, 0x7F80, -0x80], dtype=torch.int16)
+    store.write(
+        HIDDEN_STATES,
+        bits.view(dtype).to(src_dev),
+        slots_of(ids, bs),
+        block_keys=dict(zip(ids, keys, strict=True)),
+    )
+    got = store.read_blocks(HIDDEN_STATES, ids, keys).cpu().view(torch.int16)
+    chk.expect(torch.equal(got, bits), f"{label}: bf16 bit patterns")
+
+    # 5. A CPU-side write after an asynchronous one to the same slots wins.
+    first = torch.full((bs, hidden), 1.0, dtype=dtype)
+    second = torch.full((bs, hidden), 2.0, dtype=dtype)
+    store.write(HIDDEN_STATES, first.to(src_dev), slots_of(ids[:1], bs))
+    store.write(HIDDEN_STATES, second, slots_of(ids[:1], bs), block_keys={ids[0]: keys[0]})
+    chk.equal(store.read_blocks(HIDDEN_STATES, ids[:1], keys[:1]), second, f"{label}: write order")
+
+    # 6. Deferred rows staged on the source device, committed with the block table.
+    store.register("audio", 4, torch.float32, deferred=True)
+    audio = torch.randn(3 * bs + 2, 4, generator=gen)
+    store.stage("req", "audio", audio[:5].to(src_dev), token_start=0)
+    store.stage("req", "audio", audio[5:].to(src_dev), token_start=5)
+    commit = store.commit("req", ids[:4], keys[:3])
+    chk.expect(commit["audio"].stamped_block_ids == tuple(ids[:3]), f"{label}: deferred stamps")
+    chk.equal(
+        store.read_blocks("audio", ids[:3], keys[:3]), audio[: 3 * bs], f"{label}: deferred rows"
+    )
+
+    # 7. Pool reuse evicts every key: reads are misses or StaleBlockError.
+    pool.free(ordered[::-1])
+    again = pool.allocate(num_blocks)
+    chk.expect(again is not None and store.probe(ids, keys) == 0, f"{label}: eviction clears")
+    miss = store.read_merged(requests[:1], hidden_states=new[:16].to(src_dev))
+    chk.expect(
+        miss.misses == (ReadMiss("r0", per, 0, HIDDEN_STATES),), f"{label}: miss after eviction"
+    )
+    try:
+        store.read_blocks(HIDDEN_STATES, ids[:2], keys[:2])
+    except StaleBlockError as exc:
+        chk.expect(exc.block_id == ids[0] and exc.found is None, f"{label}: stale error fields")
+    else:
+        chk.expect(False, f"{label}: stale read returned rows")
+    print(f"  {label}: ok so far ({chk.num_checks} checks, {len(chk.failures)} mismatches)")
+
+
+# -- bandwidth -------------------------------------------------------------------
+
+
+def timed(fn: Callable[[], object], cuda: bool) -> float:
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def bandwidth(cfg: Config, tokens: int, hidden: int, bs: int, reps: int) -> None:
+    dtype = torch.bfloat16
+    cuda = "cuda" in (cfg.store_device, cfg.source_device)
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = 2 * tokens // bs
+    store = TensorStore(
+        num_blocks, bs, device=cfg.store_device, hidden_size=hidden, hidden_dtype=dtype
+    )
+    cache = store._entries[HIDDEN_STATES].cache
+    cache.fill_(1)
+    cache_ref = torch.ones_like(cache)
+    flat_ref = cache_ref.view(-1, hidden)
+    src = torch.randn(tokens, hidden, generator=gen).to(dtype).to(cfg.source_device)
+    # The ceiling moves the same bytes between the same devices.
+    dst = torch.zeros(
+        tokens, hidden, dtype=dtype, device=cfg.store_device, pin_memory=store.pin_memory
+    )
+    block_ids = torch.randperm(num_blocks, generator=gen)[: tokens // bs]
+    slots = (block_ids[:, None] * bs + torch.arange(bs)).reshape(-1)
+    keys = {int(b): key(int(b)) for b in block_ids}
+    slots_dev = slots.to(cfg.store_device)
+    src_on_store = src.to(cfg.store_device)
+    k = (tokens // 8 - 16) // bs
+    new_rows = torch.randn(8 * 16, hidden, generator=gen).to(dtype).to(cfg.source_device)
+    requests = [
+        ScheduledRequest(
+            f"r{i}",
+            16,
+            k * bs,
+            [int(b) for b in block_ids[i * k : (i + 1) * k]],
+            [keys[int(b)] for b in block_ids[i * k : (i + 1) * k]],
+        )
+        for i in range(8)
+    ]
+    read_ids = [block_ids[i * k : (i + 1) * k].to(cfg.store_device) for i in range(8)]
+    bufs = store.new_read_buffers(8 * (k * bs + 16))
+
+    def reference_write() -> None:
+        # The reference moves rows to the cache's device first, then scatters.
+        flat_ref[slots_dev] = src.to(cfg.store_device)
+
+    def reference_read() -> None:
+        for i, ids in enumerate(read_ids):
+            cached = cache_ref[ids].reshape(-1, hidden)
+            torch.cat([cached, new_rows[i * 16 : (i + 1) * 16].to(cfg.store_device)])
+
+    cases: dict[str, tuple[Callable[[], object], dict[str, Callable[[], object]]]] = {
+        "write": (
+            lambda: dst.copy_(src, non_blocking=store.pin_memory),
+            {
+                "reference": reference_write,
+                "TensorStore": lambda: store.write(HIDDEN_STATES, src, slots, block_keys=keys),
+            },
+        ),
+        "read": (
+            lambda: dst.copy_(src_on_store),
+            {
+                "reference": reference_read,
+                "TensorStore out=": lambda: store.read_merged(
+                    requests, hidden_states=new_rows, out=bufs
+                ),
+            },
+        ),
+    }
+    store.write(HIDDEN_STATES, src, slots, block_keys=keys)
+    nbytes = tokens * hidden * 2
+    size = f"{tokens} x {hidden} bf16 ({nbytes / 2**20:.0f} MiB)"
+    print(f"\n{cfg.name}: {size}, block {bs}, median of {reps}")
+    print(f"{'operation':<24} {'GB/s':>8} {'vs copy_':>9} {'vs reference':>13}")
+    for op, (ceiling, variants) in cases.items():
+        for fn in (ceiling, *variants.values()):
+            fn()
+        t_copy: list[float] = []
+        t_var: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(reps):
+            for name, fn in variants.items():
+                t_copy.append(timed(ceiling, cuda))
+                t_var[name].append(timed(fn, cuda))
+        copy_med = statistics.median(t_copy)
+        print(f"{op + ' copy_':<24} {nbytes / copy_med / 1e9:8.1f} {1.0:9.2f}")
+        for name, samples in t_var.items():
+            med = statistics.median(samples)
+            vs_ref = statistics.median(t_var["reference"]) / med
+            gbps = nbytes / med / 1e9
+            print(f"{op + ' ' + name:<24} {gbps:8.1f} {copy_med / med:9.2f} {vs_ref:13.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--pytest", action="store_true", help="run the store tests first")
+    args = parser.parse_args(argv)
+
+    cuda = torch.cuda.is_available()
+    name = torch.cuda.get_device_name() if cuda else "no CUDA: CPU-only mode"
+    print(f"torch {torch.__version__}, {name}")
+    rc = 0
+    if args.pytest:
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "tests/test_store.py",
+            "tests/test_store_reuse_sim.py",
+        ]
+        print("$", " ".join(cmd), flush=True)
+        rc = subprocess.call(cmd)
+    chk = Checker()
+    for cfg in configs():
+        print(f"checking {cfg.name}", flush=True)
+        try:
+            check_config(cfg, args.tokens, args.hidden, args.block_size, chk)
+        except Exception:  # report it and keep checking the other configurations
+            traceback.print_exc()
+            chk.failures.append(f"{cfg.name}: raised")
+    print(f"correctness: {chk.num_checks} checks, {len(chk.failures)} mismatches")
+    for cfg in configs():
+        if cuda and cfg.name == "cpu":
+            continue
+        bandwidth(cfg, args.tokens, args.hidden, args.block_size, args.reps)
+    if chk.failures or rc:
+        print("FAILED:", "; ".join(chk.failures) or f"pytest exit {rc}")
+        return 1
+    print("all checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
