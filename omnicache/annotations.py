@@ -364,7 +364,7 @@ class AnnotatedTokens:
         if start < 0 or stop < start:
             raise ValueError(f"expected a window 0 <= start <= stop, found [{start}, {stop})")
         ends = self._ends
-        if not ends or start >= ends[-1]:
+        if not ends or start >= ends[-1] or start == stop:
             return ()
         anns = self._annotations
         out: list[TokenRangeAnnotation] = []
