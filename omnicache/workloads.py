@@ -56,6 +56,7 @@ from PIL import Image
 __all__ = [
     "AUDIO_MARKER",
     "IMAGE_MARKER",
+    "SYSTEM_PROMPT",
     "AudioItem",
     "ImageItem",
     "MediaItem",
