@@ -213,7 +213,8 @@ class StoreStats:
     num_incomplete_blocks: int = 0
     num_read_requests: int = 0
     num_hit_blocks_read: int = 0
-    # Requests (read_merged) or reads (read_blocks, probe) that found a stale block.
+    # Requests (read_merged) or calls (read_blocks) that found a stale block;
+    # probe only looks and counts nothing.
     num_stale_reads: int = 0
     num_evicted_stamps: int = 0
     num_staged_bytes: int = 0
@@ -435,9 +436,7 @@ class TensorStore:
 
     def invalidate(self, block_ids: Iterable[int]) -> None:
         """Clears stamps and fill counts of ``block_ids`` for every entry."""
-        ids = [int(b) for b in block_ids]
-        for index, block_id in enumerate(ids):
-            self._check_block_id(f"block_ids[{index}]", block_id)
+        ids = self._block_id_array("block_ids", list(block_ids), distinct=False)
         for entry in self._entries.values():
             entry.stamps[ids] = None
             entry.filled[ids] = 0
@@ -1102,6 +1101,10 @@ class TensorStore:
             if type(computed) is not int or computed < 0:
                 raise ValueError(
                     f"requests[{index}].num_computed_tokens: expected int >= 0, found {computed}"
+                )
+            if not isinstance(request.req_id, str):
+                raise TypeError(
+                    f"requests[{index}].req_id: expected str, found {type(request.req_id).__name__}"
                 )
             if request.req_id in seen:
                 raise ValueError(f"requests[{index}]: request {request.req_id!r} listed twice")

@@ -283,6 +283,7 @@ def test_stamp_is_per_entry(cfg: Config) -> None:
     assert store.probe([1], [key(1)], names=["h"]) == 1
     assert store.probe([1], [key(1)]) == 0
     assert store.probe([1], [key(2)], names=["h"]) == 0
+    assert store.stats.num_stale_reads == 0  # probing only looks
 
 
 # No two neighbours adjacent: one run per block, more runs than the copy_ path takes.
@@ -771,6 +772,10 @@ def test_invalidate(cfg: Config) -> None:
     assert store.probe([1], [key(1)]) == 0
     with pytest.raises(IndexError, match=r"block_ids\[1\]: expected 0..7, found -1"):
         store.invalidate([0, -1])
+    with pytest.raises(
+        TypeError, match=r"block_ids: expected a flat sequence of int, found \[1.5\]"
+    ):
+        store.invalidate([1.5])  # type: ignore[list-item]
 
 
 # -- deferred entries -------------------------------------------------------------
@@ -847,6 +852,11 @@ def test_stage_validates(cfg: Config) -> None:
         store.stage("a", "audio", rows(cfg, 2, 2).double(), token_start=0)
     with pytest.raises(ValueError, match=r"token_start: expected int >= 0, found -1"):
         store.stage("a", "audio", rows(cfg, 2, 2), token_start=-1)
+    with pytest.raises(TypeError, match=r"requests\[1\].req_id: expected str, found int"):
+        store.stage_outputs(
+            [ScheduledRequest("a", 2), ScheduledRequest(7, 2)],  # type: ignore[arg-type]
+            multimodal_outputs={"audio": rows(cfg, 4, 2)},
+        )
     with pytest.raises(ValueError, match=r"entry 'audio': expected at least 5 rows, found 4"):
         store.stage_outputs(
             [ScheduledRequest("a", 2), ScheduledRequest("b", 3)],
