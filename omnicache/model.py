@@ -262,6 +262,7 @@ class Processor:
             prompt.token_ids,
             [self.content_hash(run.item) for run in prompt.runs],
             placeholder_ranges=[(run.offset, run.length) for run in prompt.runs],
+            algorithm=self.algorithm,
         )
 
 

@@ -1,0 +1,218 @@
+"""The omnicache command: exit codes, the summary table, bad traces, --plot and hash."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from hashing import hash_audio, hash_bytes, hash_image
+from omnicache import model as model_module
+from omnicache.cli import EXIT_BAD_INPUT, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, main
+from omnicache.workloads import read_wav, write_wav
+
+REPO = Path(__file__).resolve().parent.parent
+SAMPLE_TRACE = REPO / "examples" / "traces" / "sample.jsonl"
+QUICK = ["demo", "--quick", "--requests", "10"]
+
+
+def _row(out: str, name: str) -> str:
+    """The value column of a summary row."""
+    match = re.search(rf"^  {re.escape(name)}\s+(\S+)", out, re.MULTILINE)
+    assert match is not None, f"no row {name!r} in:\n{out}"
+    return match.group(1)
+
+
+def test_quick_demo_prints_the_summary_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*QUICK, "--num-blocks", "40"]) == EXIT_OK
+    captured = capsys.readouterr()
+    out = captured.out
+    assert _row(out, "requests") == "10"
+    assert _row(out, "stale reads") == "0"
+    assert _row(out, "mismatches") == "0"
+    assert int(_row(out, "hit tokens").replace(",", "")) > 0
+    assert _row(out, "evictions").isdigit()
+    for name in ("prompt tokens", "best possible hit rate", "recompute saved", "speedup",
+                 "time without cache", "time with cache"):  # fmt: skip
+        _row(out, name)
+    assert "cache: 40 blocks x 16 tokens, block keys sha256, content digests blake3" in out
+    assert "atol=1e-05, rtol=1e-05" in out
+    assert out.rstrip().endswith("ok: every request matched its full recompute; no stale read")
+    # No progress bar unless stderr is a terminal or --progress asks for one.
+    assert captured.err == ""
+
+
+def test_options_reach_the_cache(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [*QUICK, "--block-size", "8", "--algorithm", "xxh3_128", "--salt", "pepper",
+            "--progress"]  # fmt: skip
+    assert main(argv) == EXIT_OK
+    captured = capsys.readouterr()
+    assert "x 8 tokens, block keys xxh3_128, content digests xxh3_128, with a deployment" in (
+        captured.out
+    )
+    assert "serving" in captured.err and "10/10" in captured.err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], r"the following arguments are required: COMMAND"),
+        (["serve"], r"invalid choice: 'serve'"),
+        (["demo", "--bogus"], r"unrecognized arguments: --bogus"),
+        (["demo", "--num-blocks", "0"], r"--num-blocks: expected an int >= 1, found 0"),
+        (["demo", "--algorithm", "md5"], r"--algorithm: invalid choice: 'md5'"),
+        (["demo", "--quick", "--num-blocks", "2"], r"num_blocks: expected at least \d+ "),
+        (["demo", "--seed", "-1"], r"--seed: expected an int >= 0, found -1"),
+        (["replay"], r"the following arguments are required: TRACE.jsonl"),
+        (["hash"], r"the following arguments are required: FILE"),
+    ],
+)
+def test_usage_errors_exit_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert main(argv) == EXIT_USAGE
+    captured = capsys.readouterr()
+    assert re.search(message, captured.err), captured.err
+    assert captured.out == ""
+
+
+def test_a_mismatch_exits_1(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    forward = model_module.TinyOmniModel.forward
+
+    def skewed(
+        self: model_module.TinyOmniModel,
+        embeds: torch.Tensor,
+        start: int = 0,
+        past: object = None,
+    ) -> model_module.ForwardOutput:
+        out = forward(self, embeds, start, past)  # type: ignore[arg-type]
+        if start == 0:
+            return out
+        # A suffix computed wrongly: what a bad cache would make the model do.
+        return out._replace(logits=out.logits + 1e-3)
+
+    monkeypatch.setattr(model_module.TinyOmniModel, "forward", skewed)
+    assert main(QUICK) == EXIT_MISMATCH
+    captured = capsys.readouterr()
+    num_mismatches = int(_row(captured.out, "mismatches"))
+    assert num_mismatches > 0
+    assert f"FAILED at 160 blocks: {num_mismatches} mismatches (req-" in captured.err
+    assert "ok: every request" not in captured.out
+
+
+def test_replay_serves_the_sample_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", str(SAMPLE_TRACE), "--quick"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert _row(out, "requests") == "7"
+    assert _row(out, "mismatches") == "0"
+    assert int(_row(out, "hit tokens").replace(",", "")) > 0
+    assert f"trace: {SAMPLE_TRACE}: 7 requests, 2 tenants" in out
+
+
+def test_a_bad_trace_exits_3_naming_the_line_and_serves_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    trace = tmp_path / "bad.jsonl"
+    lines = [
+        json.dumps({"text": "fine <image>", "images": ["a.png"]}),
+        json.dumps({"text": "also fine"}),
+        json.dumps({"text": "gone", "images": ["missing.png"]}),
+    ]
+    trace.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert main(["replay", str(trace), "--quick"]) == EXIT_BAD_INPUT
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"omnicache: bad trace: {trace}:3: images[0]: file not found")
+    trace.write_text(lines[0] + "\n{not json\n", encoding="utf-8")
+    assert main(["replay", str(trace)]) == EXIT_BAD_INPUT
+    assert f"{trace}:2: malformed JSON" in capsys.readouterr().err
+    assert main(["replay", str(tmp_path / "absent.jsonl")]) == EXIT_BAD_INPUT
+    assert "cannot read the trace" in capsys.readouterr().err
+
+
+def test_plot_sweeps_cache_sizes_and_writes_a_png(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_png = tmp_path / "sweep.png"
+    assert main([*QUICK, "--num-blocks", "30", "--plot", str(out_png)]) == EXIT_OK
+    out = capsys.readouterr().out
+    sweep = re.findall(r"^\s+(\d+)\s+([\d.]+)%\s+([\d.]+)%.*\s(\d+)$", out, re.MULTILINE)
+    sizes = [int(row[0]) for row in sweep]
+    assert len(sizes) >= 5
+    assert sizes == sorted(sizes) and 30 in sizes
+    assert all(row[3] == "0" for row in sweep)  # no mismatch at any size
+    hit_rates = [float(row[1]) for row in sweep]
+    assert hit_rates[-1] == float(sweep[-1][2])  # the largest pool reaches the best
+    with Image.open(out_png) as image:
+        assert (image.format, image.size) == ("PNG", (1000, 420))
+
+
+def test_hash_prints_content_digests_of_images_and_wav(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pixels = np.arange(12 * 7 * 3, dtype=np.uint8).reshape(12, 7, 3)
+    original = Image.fromarray(pixels, "RGB")
+    original.save(tmp_path / "pic.png")
+    write_wav(tmp_path / "tone.wav", np.sin(np.arange(400) / 3.0) * 0.3, 22_050)
+    (tmp_path / "clip.mp3").write_bytes(b"ID3 fake mp3 bytes")
+    files = [tmp_path / "pic.png", tmp_path / "tone.wav", tmp_path / "clip.mp3"]
+    assert main(["hash", *map(str, files)]) == EXIT_OK
+    waveform, rate = read_wav(tmp_path / "tone.wav")
+    expected = [
+        # PNG is lossless: the file's digest is the in-memory image's.
+        (hash_image(original).hex(), "image", files[0]),
+        (hash_audio(waveform, rate).hex(), "audio", files[1]),
+        (hash_bytes(b"ID3 fake mp3 bytes", modality="audio").hex(), "audio-bytes", files[2]),
+    ]
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split() for line in lines] == [[h, k, str(p)] for h, k, p in expected]
+    assert main(["hash", "--algorithm", "sha256", str(files[0])]) == EXIT_OK
+    assert capsys.readouterr().out.split()[0] == hash_image(original, algorithm="sha256").hex()
+
+
+def test_hash_reports_unknown_and_missing_files_and_exits_3(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    Image.new("L", (4, 4), 7).save(tmp_path / "ok.png")
+    (tmp_path / "notes.txt").write_text("hello", encoding="utf-8")
+    argv = [
+        "hash",
+        str(tmp_path / "notes.txt"),
+        str(tmp_path / "nope.png"),
+        str(tmp_path / "ok.png"),
+    ]
+    assert main(argv) == EXIT_BAD_INPUT
+    captured = capsys.readouterr()
+    # The good file is still hashed.
+    assert captured.out.split() == [
+        hash_image(Image.open(tmp_path / "ok.png")).hex(),
+        "image",
+        str(tmp_path / "ok.png"),
+    ]
+    assert "notes.txt: unknown file type '.txt'" in captured.err
+    assert "nope.png: no such file" in captured.err
+
+
+def test_python_dash_m_runs_the_quick_demo() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "omnicache", "demo", "--quick", "--requests", "6"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr
+    assert _row(result.stdout, "requests") == "6"
+    assert _row(result.stdout, "mismatches") == "0"
+    assert result.stderr == ""
