@@ -179,13 +179,17 @@ def _fmt_int(value: int) -> str:
     return f"{value:,}"
 
 
+def _count(value: int, noun: str) -> str:
+    return f"{value:,} {noun}{'' if value == 1 else 's'}"
+
+
 def _summary(
     trace: Trace, model: TinyOmniModel, report: RunReport, threads: int, salt: str
 ) -> list[str]:
     cfg = model.config
     num_images, distinct_images, num_clips, distinct_clips = trace.count_media()
     rows = [
-        ("requests", _fmt_int(report.num_requests), f"{report.num_tenants} tenant salts"),
+        ("requests", _fmt_int(report.num_requests), _count(report.num_tenants, "tenant salt")),
         ("prompt tokens", _fmt_int(report.num_prompt_tokens), ""),
         (
             "hit tokens",
@@ -212,9 +216,10 @@ def _summary(
     ]
     salt_note = ", with a deployment salt" if salt else ""
     lines = [
-        f"trace: {trace.name}: {report.num_requests} requests, {len(trace.tenants)} tenants, "
-        f"{num_images} images in prompts ({distinct_images} distinct), {num_clips} audio clips "
-        f"({distinct_clips} distinct)",
+        f"trace: {trace.name}: {_count(report.num_requests, 'request')}, "
+        f"{_count(len(trace.tenants), 'tenant')}, {_count(num_images, 'image')} in prompts "
+        f"({distinct_images} distinct), {_count(num_clips, 'audio clip')} ({distinct_clips} "
+        "distinct)",
         f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads, "
         f"MLP {cfg.mlp_size}, float32 on CPU, {threads} thread{'s' if threads > 1 else ''}",
         f"cache: {report.num_blocks} blocks x {report.block_size} tokens, block keys "
