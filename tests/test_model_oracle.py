@@ -335,3 +335,35 @@ def test_configs_reject_bad_values() -> None:
         ModelConfig(hidden_size=30, num_heads=4)
     with pytest.raises(ValueError, match=r"image_patch_size: expected a multiple of 8"):
         ModelConfig(image_patch_size=12)
+
+
+def test_a_fully_cached_block_aligned_prompt_recomputes_only_its_last_block(
+    model: TinyOmniModel,
+) -> None:
+    processor = Processor(CONFIG)
+    image = _image((4, 5, 6))
+    words = "one"
+    while len(processor.tokenize(_request("x", image, words).messages).token_ids) % BLOCK_SIZE:
+        words += " more"
+    request = _request("aligned", image, words)
+    num_tokens = len(processor.tokenize(request.messages).token_ids)
+    assert num_tokens % BLOCK_SIZE == 0
+    engine = ServingEngine(model, processor, CacheConfig(num_blocks=64))
+    prompt = processor.annotate(processor.tokenize(request.messages))
+    last_key = engine.block_hashes(request, prompt)[-1]
+    trace = Trace("aligned", (request, replace(request, request_id="again")))
+    report = run_cached(model, processor, trace, engine.cache_config, [], engine=engine)
+    assert report.num_hit_tokens == num_tokens - BLOCK_SIZE
+    assert report.ok
+    # The recomputed last block went to a second block; the key stays on the first,
+    # and only the first is stamped with it.
+    holder = engine.pool.get_cached_block(last_key)
+    assert holder is not None
+    stamped = [b for b in range(64) if engine.store.stamp_of("hidden_states", b) == last_key]
+    assert stamped == [holder.block_id]
+    third = run_cached(
+        model, processor, Trace("t", (replace(request, request_id="third"),)),
+        engine.cache_config, [], engine=engine,
+    )  # fmt: skip
+    assert third.num_hit_tokens == num_tokens - BLOCK_SIZE
+    assert third.ok
