@@ -87,11 +87,6 @@ _WIDE_DTYPES: tuple[tuple[int, torch.dtype], ...] = (
     (1, torch.uint8),
 )
 
-# A write whose slots form at most this many runs of consecutive slots is
-# done with one copy_ per run instead of one indexed copy. NOTE: each parallel
-# op costs a thread wake-up, so more than one run is cheaper as one op.
-_MAX_COPY_RUNS = 1
-
 
 class StaleBlockError(LookupError):
     """A block expected to hold key ``expected`` for ``name`` holds ``found``.
@@ -258,8 +253,6 @@ class _Segments(NamedTuple):
     lens: IntArray
     # Whether a block appears in more than one run.
     repeated_blocks: bool
-    # First row of each run of consecutive slots across block boundaries.
-    copy_starts: IntArray
     # Whether every run is one whole block (then ``blocks`` are the targets).
     whole_blocks: bool
 
@@ -1170,40 +1163,48 @@ class TensorStore:
         """Cuts ``slots`` into runs; rejects a slot given twice."""
         n = len(slots)
         bs = self.block_size
+        if n and n % bs == 0:
+            # Fast path for whole blocks (a prefill, a commit, a block load):
+            # every row of ``by_block`` is one block's slots in order.
+            by_block = slots.reshape(-1, bs)
+            first = by_block[:, 0]
+            if not (first % bs).any() and (by_block - first[:, None] == np.arange(bs)).all():
+                blocks = first // bs
+                if int(np.bincount(blocks).max()) > 1:
+                    _raise_duplicate_slot(slots)
+                num_blocks = len(blocks)
+                return _Segments(
+                    slots=slots,
+                    slots_tensor=slots_tensor,
+                    blocks=blocks,
+                    offsets=np.zeros(num_blocks, dtype=np.int64),
+                    lens=np.full(num_blocks, bs, dtype=np.int64),
+                    repeated_blocks=False,
+                    whole_blocks=True,
+                )
         blocks, offsets = np.divmod(slots, bs)
         if n:
-            gap = np.diff(slots) != 1
-            copy_starts = np.concatenate(([0], np.flatnonzero(gap) + 1))
             brk = np.empty(n, dtype=bool)
             brk[0] = True
-            np.logical_or(gap, offsets[1:] == 0, out=brk[1:])
+            np.not_equal(np.diff(slots), 1, out=brk[1:])
+            brk[1:] |= offsets[1:] == 0
             starts = np.flatnonzero(brk)
         else:
-            copy_starts = starts = np.zeros(0, dtype=np.int64)
+            starts = np.zeros(0, dtype=np.int64)
         seg_blocks = blocks[starts]
-        seg_offsets = offsets[starts]
-        lens = np.diff(np.append(starts, n))
         # NOTE: runs hold distinct slots of one block each, so a slot can
         # repeat only where a block starts more than one run.
         repeated = bool(n) and int(np.bincount(seg_blocks).max()) > 1
-        if repeated:
-            uniq, counts = np.unique(slots, return_counts=True)
-            if len(uniq) != n:
-                dup = int(uniq[np.flatnonzero(counts > 1)[0]])
-                where = np.flatnonzero(slots == dup)[:2].tolist()
-                raise ValueError(
-                    f"slot_mapping: expected distinct slots, found slot {dup} at rows {where}"
-                )
-        whole = bool(n) and not repeated and not seg_offsets.any() and bool((lens == bs).all())
+        if repeated and len(np.unique(slots)) != n:
+            _raise_duplicate_slot(slots)
         return _Segments(
             slots=slots,
             slots_tensor=slots_tensor,
             blocks=seg_blocks,
-            offsets=seg_offsets,
-            lens=lens,
+            offsets=offsets[starts],
+            lens=np.diff(np.append(starts, n)),
             repeated_blocks=repeated,
-            copy_starts=copy_starts,
-            whole_blocks=whole,
+            whole_blocks=False,
         )
 
     def _apply(self, plan: _Plan, block_keys: Mapping[int, BlockHash]) -> WriteResult:
@@ -1261,7 +1262,7 @@ class TensorStore:
         if src.is_cuda and self.device.type == "cpu":
             # Each run of consecutive slots is one copy from the device into
             # the (pinned) cache; readers wait for the event.
-            for start, stop in _runs(segs.copy_starts, n):
+            for start, stop in _runs(slots):
                 first = int(slots[start])
                 entry.flat[first : first + stop - start].copy_(
                     src[start:stop], non_blocking=self.pin_memory
@@ -1273,8 +1274,8 @@ class TensorStore:
             return
         if src.device != self.device:
             src = src.to(self.device)
-        if self.device.type == "cpu" and len(segs.copy_starts) <= _MAX_COPY_RUNS:
-            for start, stop in _runs(segs.copy_starts, n):
+        if self.device.type == "cpu" and _is_one_run(segs):
+            for start, stop in _runs(slots):
                 first = int(slots[start])
                 entry.flat[first : first + stop - start].copy_(src[start:stop])
             return
@@ -1471,10 +1472,28 @@ def _widen_pair(
     return dst, src
 
 
-def _runs(starts: IntArray, n: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` row ranges from the first row of each run of ``n`` rows."""
-    stops = np.append(starts[1:], n)
+def _runs(slots: IntArray) -> list[tuple[int, int]]:
+    """``[start, stop)`` row ranges whose slots are consecutive."""
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(slots) != 1) + 1))
+    stops = np.append(starts[1:], len(slots))
     return list(zip(starts.tolist(), stops.tolist(), strict=True))
+
+
+def _is_one_run(segs: _Segments) -> bool:
+    """Whether the slots are consecutive: one copy_ moves them all."""
+    slots = segs.slots
+    if not len(slots) or int(slots[-1]) - int(slots[0]) != len(slots) - 1:
+        return False
+    if segs.whole_blocks:
+        return bool((np.diff(segs.blocks) == 1).all())
+    return bool((np.diff(slots) == 1).all())
+
+
+def _raise_duplicate_slot(slots: IntArray) -> None:
+    uniq, counts = np.unique(slots, return_counts=True)
+    dup = int(uniq[np.flatnonzero(counts > 1)[0]])
+    where = np.flatnonzero(slots == dup)[:2].tolist()
+    raise ValueError(f"slot_mapping: expected distinct slots, found slot {dup} at rows {where}")
 
 
 def _staged_bytes(per_entry: Mapping[str, list[tuple[int, torch.Tensor]]]) -> int:

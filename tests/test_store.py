@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from omnicache.block_hash import BlockHash
 from omnicache.block_pool import BlockPool
 from omnicache.store import (
-    _MAX_COPY_RUNS,
     HIDDEN_STATES,
     EntrySpec,
     MergedRead,
@@ -28,6 +27,8 @@ from omnicache.store import (
     StoreCapacityError,
     TensorStore,
     WriteResult,
+    _is_one_run,
+    _Segments,
 )
 
 
@@ -286,18 +287,30 @@ def test_stamp_is_per_entry(cfg: Config) -> None:
     assert store.stats.num_stale_reads == 0  # probing only looks
 
 
-# No two neighbours adjacent: one run per block, more runs than the copy_ path takes.
+# No two neighbours adjacent: every block is a run of its own.
 SCATTERED = [14, 3, 9, 0, 12, 6, 1, 10, 4, 15, 7, 2, 13, 8, 11, 5]
 
 
-def test_scattered_writes_take_the_indexed_paths() -> None:
+def test_write_paths_are_chosen_from_the_slot_layout() -> None:
     store = TensorStore(16, 2)
-    whole = store._segments(np.array(block_slots(SCATTERED, 2), dtype=np.int64), None)
-    assert len(whole.copy_starts) == 16 > _MAX_COPY_RUNS and whole.whole_blocks
-    firsts = store._segments(np.array([2 * b for b in SCATTERED], dtype=np.int64), None)
-    assert len(firsts.copy_starts) == 16 and not firsts.whole_blocks
-    ordered = store._segments(np.array(block_slots([0, 1, 2, 3], 2), dtype=np.int64), None)
-    assert len(ordered.copy_starts) == 1 and ordered.whole_blocks
+
+    def segments(slots: list[int]) -> _Segments:
+        return store._segments(np.array(slots, dtype=np.int64), None)
+
+    # Scattered whole blocks: one indexed copy by block id.
+    whole = segments(block_slots(SCATTERED, 2))
+    assert whole.whole_blocks and not _is_one_run(whole)
+    assert whole.blocks.tolist() == SCATTERED
+    # One row per block: indexed copy by slot.
+    firsts = segments([2 * b for b in SCATTERED])
+    assert not firsts.whole_blocks and not _is_one_run(firsts)
+    assert (firsts.blocks.tolist(), firsts.lens.tolist()) == (SCATTERED, [1] * 16)
+    # Consecutive slots: one copy_, whole blocks or not.
+    assert _is_one_run(segments(block_slots([0, 1, 2, 3], 2)))
+    assert _is_one_run(segments([3, 4, 5, 6, 7]))
+    # The same slots out of order are not one run.
+    assert not _is_one_run(segments(block_slots([1, 0, 2, 3], 2)))
+    assert not _is_one_run(segments([3, 5, 4, 6, 7]))
 
 
 def test_write_rows_are_moved_bit_exactly(cfg: Config) -> None:
