@@ -352,6 +352,23 @@ def test_decode_hashes_only_new_full_blocks() -> None:
 
 
 @needs_vllm
+def test_decode_completes_a_block_that_holds_the_end_of_an_image() -> None:
+    h = Harness()
+    # The image fills tokens 40..59; the prompt's last block (48..63) is
+    # completed by decode, so that window starts inside the image.
+    prompt = TEXT + list(range(17, 41)) + [IMAGE_TOKEN] * 20
+    request = h.request("a", prompt, [image_feature(RED_HEX, 40, 20)])
+    assert len(request.block_hashes) == 3
+    request.append_output_token_ids([300, 301, 302, 303])
+    annotation = TokenRangeAnnotation(40, 20, bytes.fromhex(RED_HEX), 0, 20)
+    assert request.block_hashes == omnicache_keys([*prompt, 300, 301, 302, 303], [annotation])
+    other = h.request("b", prompt, [image_feature(BLUE_HEX, 40, 20)])
+    other.append_output_token_ids([300, 301, 302, 303])
+    assert other.block_hashes[:2] == request.block_hashes[:2]
+    assert other.block_hashes[3] != request.block_hashes[3]
+
+
+@needs_vllm
 def test_is_embed_annotates_only_embedding_runs() -> None:
     h = Harness()
     # Placeholder range 8..39: 8 start markers, 16 embeddings, 8 end markers.
@@ -733,6 +750,11 @@ def test_chunked_prefill_and_decode_stamp_blocks_as_they_fill() -> None:
     rows = recompute(request)
     blocks, num_hit, _ = h.wrapper.get_computed_blocks(request)
     assert h.wrapper.allocate_slots(request, 24, num_hit, blocks) is not None
+    # Blocks 1 and 2 are allocated; both are full blocks of the prompt, keyed.
+    assert h.wrapper.request_block_keys("a") == {
+        1: request.block_hashes[0],
+        2: request.block_hashes[1],
+    }
     step = [StepRequest("a", 24, 0)]
     result = h.wrapper.write_outputs(
         step,

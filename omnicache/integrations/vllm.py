@@ -33,14 +33,17 @@ Three pieces::
    into it, every reuse of a block clears its stamps *before* the block is
    handed out, and a finished request's deferred outputs are committed.
 
-Why a wrapper around the manager and not a KV connector: a connector is built
-by the engine from its configuration by class name (so it cannot be handed a
-store), it is told about allocations (``update_state_after_alloc``) and
-finished requests, but never about local prefix hits being adopted nor about
-a cached block being reused for another prefix. The manager is the one object
-that sees lookup, allocation, free and, through its ``BlockPool``, every
-reuse, synchronously. The wrapper forwards every other attribute to the
-manager, so it can stand where the scheduler keeps ``kv_cache_manager``.
+Why a wrapper around the manager and not a KV connector: a connector is
+built by the engine from its configuration by class name, so it cannot be
+handed a store, and its scheduler-side hooks are about tokens *it* supplies
+(``get_num_new_matched_tokens`` adds external tokens to vLLM's local hit but
+cannot shorten that hit). The wrapper can: its ``get_computed_blocks`` caps a
+hit to the blocks whose outputs are stored, so a hit never comes without its
+rows. The manager is also the one object that sees lookup, allocation and
+free for every request; the reuse of blocks is taken from its ``BlockPool``
+(below), which a connector would have to reach the same way. The wrapper
+forwards every other attribute to the manager, so it can stand where the
+scheduler keeps ``kv_cache_manager``.
 
 Evictions are taken synchronously from ``BlockPool.metrics_collector``: vLLM
 calls its ``on_block_evicted`` for every block it hands out (while the block
@@ -48,8 +51,9 @@ still holds its old key) and ``reset`` when the prefix cache is reset. The
 wrapper installs a collector there that clears the block's stamps and then
 forwards to the collector that was there before. ``BlockRemoved`` events would
 arrive only at the next ``take_events()``, after the new owner may already
-have written the block. vLLM's block 0 is its null block: it is never handed
-out, so the store's block 0 stays unused.
+have written the block. Keys dropped through ``evict_blocks`` (a connector
+reporting failed loads) pass through the same hook. vLLM's block 0 is its
+null block: it is never handed out, so the store's block 0 stays unused.
 
 Limits: one full-attention KV cache group whose block size equals the hash
 block size; no lookahead block hashes (EAGLE's
@@ -770,7 +774,10 @@ class OmniKVCacheManager:
             index the store.
         require_stored_outputs: cap each prefix hit to the leading blocks
             whose outputs the store holds for every registered entry, so that
-            a hit always comes with its rows (the rest is recomputed).
+            a hit always comes with its rows (the rest is recomputed). Free
+            blocks found without their outputs lose their key in vLLM, so the
+            copies computed instead are found next time. Register entries
+            before serving: a new entry is missing from every stored block.
 
     Raises:
         TypeError, ValueError: a manager or store that does not fit.
@@ -1031,6 +1038,14 @@ class OmniKVCacheManager:
     def request_block_ids(self, request_id: str) -> list[int]:
         """The request's block ids in vLLM's group, first block first."""
         return [block.block_id for block in self._state(request_id, "request_id").blocks]
+
+    def request_block_keys(self, request_id: str) -> dict[int, BlockHash]:
+        """Block id -> key of each of the request's full blocks: the stamps its rows get."""
+        state = self._state(request_id, "request_id")
+        return {
+            block.block_id: key
+            for block, key in zip(state.blocks, state.request.block_hashes, strict=False)
+        }
 
     def hit_outputs(
         self, request_id: str, names: Sequence[str] | None = None
