@@ -393,9 +393,11 @@ def main() -> None:
     new_block_us, step_us = decode_costs(default, prepacked, keys, max(3, repeat // 3))
     vllm_block_us = vllm_decode_us(max(3, repeat // 3))
 
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(
         f"Block keys: {NUM_TOKENS} tokens, {NUM_IMAGES} images x {IMAGE_TOKENS} tokens, "
-        f"block {BLOCK_SIZE} ({num_blocks} blocks); median of {repeat} interleaved runs"
+        f"block {BLOCK_SIZE} ({num_blocks} blocks); median of {repeat} interleaved runs; "
+        f"load average {load} on {os.cpu_count()} CPUs"
     )
     width = 48
     print(f"{'variant':<{width}} {'tokens/s':>10} {'µs/block':>9} {'vs vLLM default':>16}")

@@ -101,7 +101,8 @@ _DIGESTERS: dict[str, tuple[Callable[[bytes], Any], Callable[[bytes], bytes] | N
     "blake3": (blake3.blake3, None),
     "xxh3_128": (xxhash.xxh3_128, xxhash.xxh3_128_digest),
 }
-assert set(_DIGESTERS) == set(ALGORITHMS)
+if set(_DIGESTERS) != set(ALGORITHMS):  # pragma: no cover - guards an edit to either list
+    raise RuntimeError(f"block digesters {sorted(_DIGESTERS)} != algorithms {ALGORITHMS}")
 
 _token_end = attrgetter("token_end")
 
@@ -158,10 +159,12 @@ class BlockHasher:
 
     Args:
         block_size: tokens per block, an int >= 1.
-        algorithm: "sha256" (default, collision resistant, fastest of the
-            collision-resistant ones on block-sized inputs), "blake3", or
-            "xxh3_128" (about 3x faster, 16-byte keys, NOT collision
-            resistant: only for trusted single-tenant deployments).
+        algorithm: "sha256" (default), "blake3", or "xxh3_128". The default
+            is the faster collision-resistant one on a block's ~100-byte
+            preimage, where per-call cost dominates: sha256 0.35-0.39 µs a
+            call, blake3 0.49-0.58 µs (2-core EPYC with SHA-NI; the benchmark
+            prints both). xxh3_128 (0.06-0.12 µs, 16-byte keys) is NOT
+            collision resistant: only for trusted single-tenant deployments.
         namespace: what the keys are for, such as the model id; chains in
             two namespaces never share a key.
         cache_salt: a tenant's secret salt; None (no salt) differs from "".
