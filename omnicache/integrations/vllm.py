@@ -976,13 +976,17 @@ class OmniKVCacheManager:
         if new_blocks is None:
             return None
         request_id = request.request_id
-        table = self._manager.coordinator.get_blocks(request_id)[self._group_id]
         state = self._requests.get(request_id)
-        if state is None:
-            state = _RequestState(request, table)
-            self._requests[request_id] = state
-        else:
-            state.blocks = table
+        if state is None or not state.blocks or request.num_computed_tokens == 0:
+            # NOTE: vLLM extends a request's block list in place until the
+            # request is freed, so the list fetched at admission stays its
+            # table while it runs.
+            table = self._manager.coordinator.get_blocks(request_id)[self._group_id]
+            if state is None:
+                state = _RequestState(request, table)
+                self._requests[request_id] = state
+            else:
+                state.blocks = table
         if (
             num_new_computed_tokens > 0
             and new_computed_blocks is not None
