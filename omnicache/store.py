@@ -1284,8 +1284,11 @@ class TensorStore:
             # One index per block moves block_size rows at once.
             index = torch.from_numpy(segs.blocks).to(self.device)
             row_w = self.block_size * dst_w.shape[1]
+            # NOTE: reshape, not view: strided rows (a column slice of a fused
+            # projection) cannot always be viewed as whole blocks, and failing
+            # here would leave the entries written before this one changed.
             dst_w.view(self.num_blocks, row_w).index_put_(
-                (index,), src_w.view(len(segs.blocks), row_w)
+                (index,), src_w.reshape(len(segs.blocks), row_w)
             )
             return
         index_t = segs.slots_tensor

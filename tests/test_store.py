@@ -540,6 +540,30 @@ def test_write_outputs_caches_per_token_outputs_and_skips_metadata(cfg: Config) 
     assert torch.equal(cpu(store.read_blocks(HIDDEN_STATES, [1], [key(1)])), cpu(hs)[:4])
 
 
+def test_write_outputs_takes_strided_rows_of_whole_blocks(cfg: Config) -> None:
+    # Column slices of one fused projection (q, k, v) are strided views: the
+    # whole-block fast path must move them exactly, and a later entry must
+    # never fail after an earlier one was written.
+    store = make(cfg)
+    fused = rows(cfg, 8, 24)
+    q, k, v = fused[:, :8], fused[:, 8:16], fused[:, 16:]
+    assert not k.is_contiguous()
+    results = store.write_outputs(
+        block_slots([2, 5]),
+        hidden_states=q,
+        multimodal_outputs={"k": k, "v": v},
+        block_keys={2: key(2), 5: key(5)},
+    )
+    assert {name: r.stamped_block_ids for name, r in results.items()} == {
+        HIDDEN_STATES: (2, 5),
+        "k": (2, 5),
+        "v": (2, 5),
+    }
+    for name, expected in ((HIDDEN_STATES, q), ("k", k), ("v", v)):
+        got = store.read_blocks(name, [2, 5], [key(2), key(5)])
+        assert torch.equal(cpu(got), cpu(expected)), name
+
+
 def test_write_outputs_skips_deferred_entries(cfg: Config) -> None:
     store = make(cfg)
     store.register("audio", 2, torch.float32, deferred=True)
