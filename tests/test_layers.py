@@ -1,0 +1,95 @@
+"""The architecture rules of DESIGN.md, checked on the source itself."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import omnicache
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Layers from the bottom up; a module may import only its own layer or lower.
+LAYERS = [
+    ["hashing"],
+    ["omnicache.annotations"],
+    ["omnicache.preprocess"],
+    ["omnicache.block_hash"],
+    ["omnicache.block_pool"],
+    ["omnicache.prefix_cache"],
+    ["omnicache.store"],
+    ["omnicache.model", "omnicache.workloads", "omnicache.cli", "omnicache.__main__"],
+    ["omnicache.integrations"],
+]
+
+
+def _layer_of(module: str) -> int:
+    for index, names in enumerate(LAYERS):
+        if any(module == n or module.startswith(n + ".") for n in names):
+            return index
+    raise AssertionError(f"{module} is in no layer of the architecture map")
+
+
+def _project_imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return {name for name in found if name.split(".")[0] in ("hashing", "omnicache")}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def test_imports_run_downward_only() -> None:
+    violations = []
+    for package in ("hashing", "omnicache"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            module = _module_name(path)
+            if module in ("hashing", "omnicache"):
+                continue  # the package facades re-export every layer
+            for imported in _project_imports(path):
+                if imported in ("hashing", "omnicache"):
+                    imported_layer = 0 if imported == "hashing" else len(LAYERS)
+                else:
+                    imported_layer = _layer_of(imported)
+                if imported_layer > _layer_of(module):
+                    violations.append(f"{module} imports {imported}")
+    assert violations == []
+
+
+def test_nothing_below_the_store_imports_torch() -> None:
+    code = (
+        "import sys\n"
+        "import hashing, omnicache\n"
+        "import omnicache.annotations, omnicache.preprocess, omnicache.block_hash\n"
+        "import omnicache.block_pool, omnicache.prefix_cache\n"
+        "print('torch' in sys.modules)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True
+    )
+    assert result.stdout.strip() == "False"
+
+
+def test_store_names_resolve_lazily() -> None:
+    from omnicache.store import StaleBlockError, TensorStore
+
+    assert omnicache.TensorStore is TensorStore
+    assert omnicache.StaleBlockError is StaleBlockError
+    missing = [name for name in omnicache.__all__ if not hasattr(omnicache, name)]
+    assert missing == []
+    try:
+        omnicache.NoSuchName  # type: ignore[attr-defined]  # noqa: B018
+    except AttributeError as error:
+        assert str(error) == "module 'omnicache' has no attribute 'NoSuchName'"
+    else:
+        raise AssertionError("an unknown name resolved")
