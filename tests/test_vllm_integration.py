@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from hashing import ContentHash, hash_array, hash_audio, hash_bytes, hash_identifier, hash_image
@@ -230,6 +232,10 @@ def assert_merged_exact(merged: Any, request: Any) -> None:
 
 
 def test_module_imports_without_vllm_and_says_how_to_install(monkeypatch: Any) -> None:
+    import omnicache.integrations
+
+    # Undone after the test: the re-import below rebinds the package attribute too.
+    monkeypatch.setattr(omnicache.integrations, "vllm", sys.modules["omnicache.integrations.vllm"])
     monkeypatch.setitem(sys.modules, "vllm", None)
     monkeypatch.delitem(sys.modules, "omnicache.integrations.vllm")
     module = importlib.import_module("omnicache.integrations.vllm")
@@ -349,6 +355,53 @@ def test_decode_hashes_only_new_full_blocks() -> None:
     request.append_output_token_ids(list(range(400, 420)))  # 84 tokens: block 4 only
     assert len(request.block_hashes) == 5
     assert request.block_hashes == omnicache_keys(tokens + list(range(400, 420)), [annotation])
+
+
+@st.composite
+def prompts_with_items(draw: st.DrawFn) -> tuple[list[int], list[tuple[str, int, int]]]:
+    """Up to three items at random places of a prompt; (hex digest, offset, length)."""
+    num_tokens = draw(st.integers(1, 70))
+    token_ids = draw(st.lists(st.integers(0, 50), min_size=num_tokens, max_size=num_tokens))
+    items: list[tuple[str, int, int]] = []
+    position = 0
+    for _ in range(draw(st.integers(0, 3))):
+        offset = draw(st.integers(position, num_tokens))
+        if offset == num_tokens:
+            break
+        length = draw(st.integers(1, num_tokens - offset))
+        items.append((draw(st.sampled_from([RED_HEX, BLUE_HEX])), offset, length))
+        position = offset + length
+    return token_ids, items
+
+
+@needs_vllm
+@settings(max_examples=60, deadline=None)
+@given(
+    prompt=prompts_with_items(),
+    chunks=st.lists(st.integers(1, 9), max_size=6),
+    salt=st.sampled_from([None, "tenant-a"]),
+)
+def test_incremental_keys_equal_one_shot_keys(
+    prompt: tuple[list[int], list[tuple[str, int, int]]], chunks: list[int], salt: str | None
+) -> None:
+    token_ids, items = prompt
+    hasher = RequestBlockHasher(4, namespace=NAMESPACE)
+    features = [image_feature(digest, offset, length) for digest, offset, length in items]
+    request = make_request("p", token_ids, hasher, mm_features=features, cache_salt=salt)
+    all_ids = list(token_ids)
+    for index, size in enumerate(chunks):
+        output = [100 + index] * size
+        request.append_output_token_ids(output)
+        all_ids += output
+    annotations = [
+        TokenRangeAnnotation(offset, length, bytes.fromhex(digest), 0, length)
+        for digest, offset, length in items
+    ]
+    expected = BlockHasher(4, namespace=NAMESPACE, cache_salt=salt).hash_blocks(
+        AnnotatedTokens(all_ids, annotations)
+    )
+    assert request.block_hashes == expected
+    assert len(expected) == len(all_ids) // 4
 
 
 @needs_vllm
