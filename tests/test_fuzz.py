@@ -681,6 +681,17 @@ def _random_slots(rng: random.Random, num_blocks: int, bs: int) -> list[int]:
     return rng.sample(range(num_blocks * bs), rng.randint(1, num_blocks * bs))
 
 
+def _assert_store_matches(store: TensorStore, model: StoreModel, names: list[str]) -> None:
+    num_slots = model.num_blocks * model.block_size
+    for name in names:
+        shape, dtype = ENTRIES[name]
+        stamps = [store.stamp_of(name, b) for b in range(model.num_blocks)]
+        assert stamps == model.stamps[name]
+        assert store._entries[name].filled.tolist() == model.filled[name]
+        cache = store._entries[name].cache.reshape(num_slots, -1)
+        assert torch.equal(cache, _tensor(model.rows[name], (int(np.prod(shape)),), dtype))
+
+
 def check_store(rng: random.Random) -> int:
     """A random sequence of writes, evictions and reads against one store and the model."""
     num_blocks = rng.randint(1, 6)
@@ -790,15 +801,9 @@ def check_store(rng: random.Random) -> int:
             store.invalidate(blocks)
             for block in blocks:
                 model.evict(block)
-        for entry_name in names:
-            entry_shape, entry_dtype = ENTRIES[entry_name]
-            stamps = [store.stamp_of(entry_name, b) for b in range(num_blocks)]
-            assert stamps == model.stamps[entry_name]
-            assert store._entries[entry_name].filled.tolist() == model.filled[entry_name]
-            cache = store._entries[entry_name].cache.reshape(num_blocks * bs, -1)
-            assert torch.equal(
-                cache, _tensor(model.rows[entry_name], (int(np.prod(entry_shape)),), entry_dtype)
-            )
+        # Writes and reads touch one entry: check it now, and every entry at the end.
+        _assert_store_matches(store, model, names if op in (4, 7) else [name])
+    _assert_store_matches(store, model, names)
     return num_ops
 
 
