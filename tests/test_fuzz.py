@@ -818,7 +818,7 @@ CHECKS: dict[str, Callable[[random.Random], int]] = {
 }
 
 _FUZZ = settings(
-    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None
 )
 
 
@@ -847,7 +847,7 @@ def test_block_pool_matches_the_model(rng: random.Random) -> None:
 
 
 @settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None
 )
 @given(st.randoms(use_true_random=False))
 def test_tensor_store_matches_the_model(rng: random.Random) -> None:
