@@ -220,23 +220,25 @@ class AnnotatedTokens:
     Token ids are ints in ``[0, MAX_TOKEN_ID]`` (2**32 - 1), stored packed as
     unsigned 32-bit ints in an ``array('I')``; a negative, larger or non-int id
     is a ValueError naming ``token_ids[i]``. Why this storage (32768 ids from a
-    Python list, block 16, 2-core EPYC, medians; ``benchmarks/bench_block_hash.py
-    --storage`` reprints them):
+    Python list, 2-core EPYC under load ~2.4, medians; ``python
+    benchmarks/bench_block_hash.py --storage`` reprints them):
 
-    =============  ===========  ==============  =======================
-    storage        from a list  append 1 token  one block as packed bytes
-    =============  ===========  ==============  =======================
-    array('I')     0.23 ms      shared, O(1)    0.07-0.11 µs (slice)
-    array('i')     0.52 ms      3 µs (copy)     0.07-0.11 µs
-    array('l')     0.57 ms      3 µs (copy)     8-byte ids: 160-byte keys
-    numpy uint32   0.60 ms      6.5 µs (copy)   0.15 µs
-    tuple          0.04 ms      41 µs (copy)    0.30 µs (struct.pack)
-    =============  ===========  ==============  =======================
+    =============  ===========  =============  =========================
+    storage        from a list  copy + append  one 16-id block as bytes
+    =============  ===========  =============  =========================
+    array('I')     0.18 ms      2.6 µs         0.13 µs (slice)
+    array('i')     0.52 ms      2.8 µs         0.13 µs
+    array('l')     0.56 ms      6.0 µs         0.62 µs (repack to 4 B)
+    numpy uint32   0.55 ms      4.9 µs         0.18-0.36 µs
+    tuple          0.04 ms      41-83 µs       0.21 µs (struct.pack)
+    =============  ===========  =============  =========================
 
-    ``array('I')`` converts a list fastest among the packed forms, holds 4
-    bytes per id (a block of 16 is 64 bytes, so a block key hashes ~100
-    bytes: two SHA-256 compressions), slices to bytes with one copy, and needs
-    no numpy.
+    ``array('I')`` converts a list 3x faster than the other packed forms,
+    holds 4 bytes per id (a block of 16 is 64 bytes, so a block key hashes
+    ~100 bytes: two SHA-256 compressions), slices to bytes with one copy,
+    grows in place (so appends below need no copy at all), and needs no
+    numpy. A tuple converts fastest but costs a struct.pack per block and a
+    full copy per appended token.
 
     Appending (``+`` or `extend`) returns a new sequence and leaves this one
     unchanged. NOTE: the new sequence appends in place to the buffer this one
