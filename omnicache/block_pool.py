@@ -278,6 +278,10 @@ class BlockPool:
         """
         if max_num_blocks is None:
             max_num_blocks = len(block_hashes)
+        elif type(max_num_blocks) is not int:
+            raise TypeError(
+                f"max_num_blocks: expected int or None, found {type(max_num_blocks).__name__}"
+            )
         elif max_num_blocks < 0:
             raise ValueError(f"max_num_blocks: expected >= 0, found {max_num_blocks}")
         if max_num_blocks == 0 or not block_hashes:
@@ -293,6 +297,8 @@ class BlockPool:
 
     def get_block_hash(self, block_id: int) -> BlockHash | None:
         """Returns the key that block ``block_id`` holds now, or None."""
+        if type(block_id) is not int:
+            raise TypeError(f"block_id: expected int, found {type(block_id).__name__}")
         if not 0 <= block_id < self.num_blocks:
             raise ValueError(f"block_id: expected 0..{self.num_blocks - 1}, found {block_id}")
         return self.blocks[block_id].block_hash
@@ -467,6 +473,13 @@ class BlockPool:
             if block.ref_cnt == 0:
                 raise ValueError(
                     f"blocks[{index}]: expected a block in use, found free block {block.block_id}"
+                )
+            key = block_hashes[index]
+            if not isinstance(key, bytes):
+                # NOTE: a non-bytes key would enter the table while the block
+                # holds none, so reuse could never evict it: a stale hit.
+                raise TypeError(
+                    f"block_hashes[{index}]: expected bytes, found {type(key).__name__}"
                 )
             if block.block_hash is not None and block.block_hash != block_hashes[index]:
                 raise ValueError(

@@ -781,6 +781,36 @@ CASES: list[Case] = [
         "block_id: expected 0..7, found 8",
     ),
     Case(
+        "block-hash-float-id",
+        lambda w: w.pool.get_block_hash(1.5),  # type: ignore[arg-type]
+        TypeError,
+        "block_id: expected int, found float",
+    ),
+    Case(
+        "block-hash-bool-id",
+        lambda w: w.pool.get_block_hash(True),
+        TypeError,
+        "block_id: expected int, found bool",
+    ),
+    Case(
+        "hit-float-cap",
+        lambda w: w.pool.find_longest_cache_hit(w.cache.block_hashes("live"), 1.5),  # type: ignore[arg-type]
+        TypeError,
+        "max_num_blocks: expected int or None, found float",
+    ),
+    Case(
+        "cache-none-key",
+        lambda w: w.pool.cache_full_blocks([w.live_blocks[2]], [None], 0, 1),  # type: ignore[list-item]
+        TypeError,
+        "block_hashes[0]: expected bytes, found NoneType",
+    ),
+    Case(
+        "cache-str-key",
+        lambda w: w.pool.cache_full_blocks([w.live_blocks[2]], ["k"], 0, 1),  # type: ignore[list-item]
+        TypeError,
+        "block_hashes[0]: expected bytes, found str",
+    ),
+    Case(
         "listener-not-callable",
         lambda w: w.pool.add_eviction_listener(3),  # type: ignore[arg-type]
         TypeError,
