@@ -405,6 +405,29 @@ def test_incremental_keys_equal_one_shot_keys(
 
 
 @needs_vllm
+def test_untrusted_identifiers_cannot_name_another_items_digest() -> None:
+    # A client that may send multi_modal_uuids sends RED's digest as the uuid
+    # of its own (different) image: with trust_hex_identifiers=False its
+    # blocks must not take the keys of a prompt that really holds RED.
+    prompt = TEXT + list(range(17, 33)) + [IMAGE_TOKEN] * 32
+    trusting = RequestBlockHasher(BLOCK_SIZE, namespace=NAMESPACE)
+    guarded = RequestBlockHasher(BLOCK_SIZE, namespace=NAMESPACE, trust_hex_identifiers=False)
+    real = make_request("r", prompt, trusting, mm_features=[image_feature(RED_HEX, 32, 32)])
+    forged = make_request("f", prompt, guarded, mm_features=[image_feature(RED_HEX, 32, 32)])
+    assert real.block_hashes == omnicache_keys(
+        prompt, [TokenRangeAnnotation(32, 32, bytes.fromhex(RED_HEX), 0, 32)]
+    )
+    assert forged.block_hashes[:2] == real.block_hashes[:2]  # the text blocks
+    assert forged.block_hashes[2:] != real.block_hashes[2:]
+    uuid_digest = hash_identifier(RED_HEX, namespace=f"{UUID_NAMESPACE}/image")
+    assert forged.block_hashes == omnicache_keys(
+        prompt, [TokenRangeAnnotation(32, 32, uuid_digest, 0, 32)]
+    )
+    with pytest.raises(TypeError, match="trust_hex_identifiers: expected bool, found int"):
+        RequestBlockHasher(BLOCK_SIZE, trust_hex_identifiers=1)  # type: ignore[arg-type]
+
+
+@needs_vllm
 def test_decode_completes_a_block_that_holds_the_end_of_an_image() -> None:
     h = Harness()
     # The image fills tokens 40..59; the prompt's last block (48..63) is

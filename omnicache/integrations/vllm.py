@@ -428,6 +428,15 @@ class RequestBlockHasher:
         content_algorithm: algorithm of the digests this hasher makes itself
             (client uuids, prompt embeddings).
         max_roots: chain roots (one per salt and adapter) kept ready.
+        trust_hex_identifiers: take an identifier that reads as a hex digest
+            as that digest (True, the default: identifiers come from
+            `multi_modal_uuids` or vLLM's own hasher). Pass False where
+            clients may send ``multi_modal_uuids``: a client could otherwise
+            name another item's digest while sending different content, and
+            poison that item's blocks within its salt. Every identifier is
+            then hashed under ``UUID_NAMESPACE/<modality>`` (keys stay
+            deterministic, but no longer equal `BlockHasher` keys over the
+            content digests).
     """
 
     __slots__ = (
@@ -437,6 +446,7 @@ class RequestBlockHasher:
         "_hashers",
         "_max_roots",
         "_namespace",
+        "_trust_hex_identifiers",
     )
 
     def __init__(
@@ -447,8 +457,14 @@ class RequestBlockHasher:
         namespace: str = "",
         content_algorithm: Algorithm = DEFAULT_ALGORITHM,
         max_roots: int = 1024,
+        trust_hex_identifiers: bool = True,
     ) -> None:
         base = BlockHasher(block_size, algorithm=algorithm, namespace=namespace)
+        if not isinstance(trust_hex_identifiers, bool):
+            raise TypeError(
+                "trust_hex_identifiers: expected bool, found "
+                f"{type(trust_hex_identifiers).__name__}"
+            )
         digest_size(content_algorithm)  # ValueError for an unknown algorithm
         _check_int(max_roots, "max_roots", 1)
         self._block_size = block_size
@@ -456,6 +472,7 @@ class RequestBlockHasher:
         self._namespace = namespace
         self._content_algorithm = content_algorithm
         self._max_roots = max_roots
+        self._trust_hex_identifiers = trust_hex_identifiers
         self._hashers: dict[tuple[str | None, str | None], BlockHasher] = {(None, None): base}
 
     @property
@@ -562,9 +579,13 @@ class RequestBlockHasher:
         identifier = feature.identifier
         if not isinstance(identifier, str) or not identifier:
             raise ValueError(f"{where}.identifier: expected a non-empty str, found {identifier!r}")
-        if _HEX_DIGEST.fullmatch(identifier):
+        if self._trust_hex_identifiers and _HEX_DIGEST.fullmatch(identifier):
             return bytes.fromhex(identifier)
-        if lora_prefix is not None and identifier.startswith(lora_prefix):
+        if (
+            self._trust_hex_identifiers
+            and lora_prefix is not None
+            and identifier.startswith(lora_prefix)
+        ):
             digest = identifier[len(lora_prefix) :]
             if _HEX_DIGEST.fullmatch(digest):
                 return bytes.fromhex(digest)
@@ -596,6 +617,7 @@ def install_block_hasher(
     namespace: str | None = None,
     algorithm: Algorithm = DEFAULT_BLOCK_ALGORITHM,
     content_algorithm: Algorithm = DEFAULT_ALGORITHM,
+    trust_hex_identifiers: bool = True,
 ) -> RequestBlockHasher:
     """Makes an ``EngineCore`` key its requests' blocks with omnicache keys.
 
@@ -605,6 +627,8 @@ def install_block_hasher(
     Args:
         engine_core: a ``vllm.v1.engine.core.EngineCore`` with prefix caching.
         namespace: the keys' namespace; default the served model's id.
+        trust_hex_identifiers: see `RequestBlockHasher`; False for a server
+            that accepts clients' ``multi_modal_uuids``.
 
     Returns:
         The hasher installed.
@@ -642,6 +666,7 @@ def install_block_hasher(
         algorithm=algorithm,
         namespace=vllm_config.model_config.model if namespace is None else namespace,
         content_algorithm=content_algorithm,
+        trust_hex_identifiers=trust_hex_identifiers,
     )
     engine_core.request_block_hasher = hasher
     return hasher
