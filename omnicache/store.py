@@ -1053,7 +1053,8 @@ class TensorStore:
             raise TypeError(f"{what}: expected a flat sequence of int, found {block_ids!r}")
         if not ids.size:
             return ids.astype(np.int64)
-        ids = ids.astype(np.int64, copy=False)
+        # NOTE: contiguous, as the gathers index with it (see _slots).
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
         if ids.min() < 0 or ids.max() >= self.num_blocks:
             index = int(np.flatnonzero((ids < 0) | (ids >= self.num_blocks))[0])
             raise IndexError(
@@ -1147,7 +1148,9 @@ class TensorStore:
         n = len(host) if num_tokens is None else num_tokens
         if type(n) is not int or not 0 <= n <= len(host):
             raise ValueError(f"num_tokens: expected int in 0..{len(host)}, found {num_tokens}")
-        slots = host[:n].astype(np.int64, copy=False)
+        # NOTE: contiguous, so that the copy can index with it (a reversed
+        # view has negative strides, which torch.from_numpy refuses).
+        slots = np.ascontiguousarray(host[:n], dtype=np.int64)
         bad = np.flatnonzero((slots < 0) | (slots >= self.num_slots))
         if bad.size:
             index = int(bad[0])
