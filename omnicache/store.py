@@ -609,10 +609,13 @@ class TensorStore:
                         f"found {type(value).__name__}"
                     )
                 todo.append((existing.spec, value))
-            elif _is_per_token(value, padded) or (
-                name == HIDDEN_STATES and isinstance(value, torch.Tensor)
-            ):
-                assert isinstance(value, torch.Tensor)
+            elif name == HIDDEN_STATES or _is_per_token(value, padded):
+                # NOTE: hidden states are always cached: anything but a tensor
+                # here is an error, never passed through as metadata.
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(
+                        f"outputs[{name!r}]: expected torch.Tensor, found {type(value).__name__}"
+                    )
                 if value.ndim < 2:
                     raise ValueError(
                         f"outputs[{name!r}]: expected (tokens, hidden) rows, found "
@@ -1139,6 +1142,8 @@ class TensorStore:
         return [self._entry(name) for name in names]
 
     def _check_block_id(self, what: str, block_id: int) -> None:
+        if isinstance(block_id, bool) or not isinstance(block_id, (int, np.integer)):
+            raise TypeError(f"{what}: expected int, found {type(block_id).__name__}")
         if not 0 <= block_id < self.num_blocks:
             raise IndexError(f"{what}: expected 0..{self.num_blocks - 1}, found {block_id}")
 

@@ -1201,6 +1201,30 @@ CASES: list[Case] = [
         "pool: expected 8 blocks of 4 tokens, found 4 blocks of 4 tokens",
     ),
     Case(
+        "outputs-numpy-hidden",
+        lambda w: w.store.write_outputs([24], hidden_states=np.zeros((1, 3), np.float32)),  # type: ignore[arg-type]
+        TypeError,
+        "outputs['hidden_states']: expected torch.Tensor, found ndarray",
+    ),
+    Case(
+        "stamp-float-id",
+        lambda w: w.store.stamp_of("h", 1.5),  # type: ignore[arg-type]
+        TypeError,
+        "block_id: expected int, found float",
+    ),
+    Case(
+        "stamp-bool-id",
+        lambda w: w.store.stamp_of("h", True),
+        TypeError,
+        "block_id: expected int, found bool",
+    ),
+    Case(
+        "evicted-float-id",
+        lambda w: w.store.on_block_evicted(1.5, BlockHash(H)),  # type: ignore[arg-type]
+        TypeError,
+        "block_id: expected int, found float",
+    ),
+    Case(
         "read-buffers-negative",
         lambda w: w.store.new_read_buffers(-1),
         ValueError,
