@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import blake3
@@ -57,14 +58,24 @@ def naive_digest(algorithm: str, data: bytes) -> bytes:
     return raw_digest(algorithm, data)
 
 
-def median_seconds(fn: Callable[[], object], reps: int) -> float:
-    fn()  # warm caches and lazy imports
-    times = []
+def interleaved_medians(fns: list[Callable[[], object] | None], reps: int) -> list[float | None]:
+    """Median seconds of each function, timed in turn within every round.
+
+    Interleaving keeps every variant under the same conditions (another
+    process's load, blake3's worker threads asleep or awake) instead of
+    timing one variant's whole series, then the next's.
+    """
+    live = [fn for fn in fns if fn is not None]
+    for fn in live:
+        fn()  # warm caches and lazy imports
+    times: list[list[float]] = [[] for _ in live]
     for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for series, fn in zip(times, live, strict=True):
+            start = time.perf_counter()
+            fn()
+            series.append(time.perf_counter() - start)
+    medians = iter(statistics.median(series) for series in times)
+    return [None if fn is None else next(medians) for fn in fns]
 
 
 def gbps(nbytes: int, seconds: float | None) -> str:
@@ -124,17 +135,16 @@ def main() -> None:
     for name, nbytes, ours, raw, naive in cases:
         for algorithm in ALGORITHMS:
             reps = max(3, args.reps // 3) if nbytes > 32 << 20 else args.reps
-            t_ours = median_seconds(lambda: ours(algorithm), reps)  # noqa: B023
-            t_raw = median_seconds(lambda: raw_digest(algorithm, raw), reps)  # noqa: B023
-            t_naive = median_seconds(lambda: naive(algorithm), reps)  # type: ignore[misc]  # noqa: B023
             image = images.get(name)
-            t_vllm = None
+            vllm = None
             if MultiModalHasher is not None and image is not None and algorithm != "xxh3_128":
-                t_vllm = median_seconds(
-                    lambda: MultiModalHasher.hash_kwargs(algorithm, image=image),  # noqa: B023
-                    reps,
-                )
-
+                vllm = partial(MultiModalHasher.hash_kwargs, algorithm, image=image)
+            t_ours, t_raw, t_naive, t_vllm = interleaved_medians(
+                [partial(ours, algorithm), partial(raw_digest, algorithm, raw),
+                 partial(naive, algorithm), vllm],
+                reps,
+            )  # fmt: skip
+            assert t_ours is not None and t_raw is not None and t_naive is not None
             print(
                 f"{name:<22} {algorithm:<9} {gbps(nbytes, t_ours):>9} {gbps(nbytes, t_raw):>8} "
                 f"{gbps(nbytes, t_naive):>8} {gbps(nbytes, t_vllm):>8}  "

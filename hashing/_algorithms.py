@@ -28,11 +28,14 @@ Algorithm = Literal["blake3", "sha256", "xxh3_128"]
 ALGORITHMS: tuple[Algorithm, ...] = get_args(Algorithm)
 DEFAULT_ALGORITHM: Algorithm = "blake3"
 
-# NOTE: blake3 spreads one large update over both cores of these machines
-# (benchmarks/bench_content_hash.py measures it): 1 MiB already hashes ~1.7x
-# faster with AUTO threads, while below ~256 KiB starting the threads costs
-# more than it saves. Callers pass the payload size they are about to hash.
-BLAKE3_THREADS_MIN_BYTES = 1 << 20
+# NOTE: blake3 can spread one large update over both cores of these machines,
+# but waking its worker threads has a cost, and on a shared 2-core machine the
+# second core is not always there. Timed between unrelated work (as hashing
+# runs in a server, not back to back), threads lost at 1-2 MiB (0.7-0.8x) and
+# won from 4 MiB (1.5x) when the second core was free; with it busy they
+# cost 3-7% at 4-16 MiB. Callers pass the size of the update they are about
+# to make.
+BLAKE3_THREADS_MIN_BYTES = 4 << 20
 
 
 class Hasher(Protocol):

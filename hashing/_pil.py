@@ -15,9 +15,9 @@ so the common case hashes Pillow's buffer where it lies instead of repacking
 it the way ``tobytes()`` and ``np.asarray`` do (2.4 ms for a 2048² RGB image).
 The unused bytes must be canonical because Pillow leaves them 0xFF after
 decoding or filling but 0x00 after resizing: the same picture would otherwise
-hash two ways. 0xFF is the common case, so a 3-band image whose pad bytes are
-all 0xFF (one vectorised min over the buffer, 0.25 ms for 2048²) is hashed in
-place; any other is hashed through an in-cache OR mask, a chunk at a time.
+hash two ways. 0xFF is the common case, so a 3-band image whose pad bytes
+are all 0xFF (one vectorised min over the buffer) is hashed in place; any
+other is hashed through an OR mask into a scratch buffer, a chunk at a time.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ _RAW_MODES = {"1", "L", "P", "I", "F", "I;16", "I;16L", "I;16B", "I;16N"}
 SUPPORTED_MODES = frozenset(_SLOT_MODES) | _RAW_MODES
 
 # 256 Ki pixels (1 MiB) per masked chunk: it stays in L2 between the mask and
-# the hash (measured in benchmarks/bench_content_hash.py).
+# the hash.
 _CHUNK_PIXELS = 1 << 18
 _ARROW_ITEM_SIZES = {b"C": 1, b"c": 1, b"s": 2, b"S": 2, b"i": 4, b"I": 4, b"f": 4}
 
@@ -113,7 +113,12 @@ def _arrow_view(image: Image.Image) -> tuple[np.ndarray[Any, Any], object] | Non
 def _padded_chunks(
     pixels: np.ndarray[Any, Any], pad_bits: np.uint32 | None, keep: object
 ) -> Iterator[memoryview]:
-    """Yield the pixel bytes with every pad bit set, in place when they already are."""
+    """Yield the pixel bytes with every pad bit set, in place when they already are.
+
+    In place, the whole buffer goes to the hash in one update, which lets
+    blake3 split a large image over both cores; otherwise it goes through an
+    OR into a cache-sized scratch buffer, a chunk at a time.
+    """
     # NOTE: for 3-band slots the pad is the top byte, so "all pads are 0xFF"
     # is exactly "the smallest slot is >= 0xFF000000".
     if pad_bits is None or (pad_bits == 0xFF000000 and pixels.view(np.uint32).min() >= pad_bits):
