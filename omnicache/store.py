@@ -1429,12 +1429,7 @@ class TensorStore:
             for block, offset, length in zip(
                 segs.blocks.tolist(), segs.offsets.tolist(), segs.lens.tolist(), strict=True
             ):
-                if offset == 0:
-                    filled[block] = length
-                elif filled[block] == offset:
-                    filled[block] = offset + length
-                else:
-                    filled[block] = _BROKEN
+                _advance_fill(filled, block, offset, length)
             touched = np.unique(segs.blocks)
         else:
             prev = filled[segs.blocks]
@@ -1509,12 +1504,7 @@ class TensorStore:
         # block loses its stamp unless this write completes it under its key.
         if segs.repeated_blocks:
             for block, offset, length in segs.runs:
-                if offset == 0:
-                    filled[block] = length
-                elif filled[block] == offset:
-                    filled[block] = offset + length
-                else:
-                    filled[block] = _BROKEN
+                _advance_fill(filled, block, offset, length)
             for block in sorted(set(segs.blocks)):
                 key = key_of(block)
                 if key is None:
@@ -1723,6 +1713,20 @@ def _check_block_keys(
                     f"block_keys[{block_id}]: expected bytes, found {type(key).__name__}"
                 )
     return block_keys
+
+
+def _advance_fill(filled: npt.NDArray[np.int32], block: int, offset: int, length: int) -> None:
+    """The fill rule for a run of ``length`` rows written at ``offset`` of ``block``.
+
+    A run from offset 0 restarts the block, a run that continues its fill
+    extends it, and any other run breaks it until the next offset-0 write.
+    """
+    if offset == 0:
+        filled[block] = length
+    elif filled[block] == offset:
+        filled[block] = offset + length
+    else:
+        filled[block] = _BROKEN
 
 
 def _is_per_token(value: object, num_tokens: int) -> bool:
