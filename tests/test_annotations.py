@@ -13,6 +13,7 @@ from itertools import pairwise
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import ids_and_annotations
 
 import omnicache.annotations as annotations_module
 from omnicache.annotations import (
@@ -53,37 +54,14 @@ def reference_slice_annotations(
     return tuple(out)
 
 
-@st.composite
-def annotated(draw: st.DrawFn, max_tokens: int = 120) -> tuple[list[int], list[T]]:
+def annotated(max_tokens: int = 120) -> st.SearchStrategy[tuple[list[int], list[T]]]:
     """Random ids and sorted, disjoint annotations (some partial items, some adjacent)."""
-    num_tokens = draw(st.integers(0, max_tokens))
-    ids = draw(
-        st.lists(
-            st.one_of(st.integers(0, 50), st.just(MAX_TOKEN_ID)),
-            min_size=num_tokens,
-            max_size=num_tokens,
-        )
+    return ids_and_annotations(
+        max_tokens=max_tokens,
+        token_ids=st.one_of(st.integers(0, 50), st.just(MAX_TOKEN_ID)),
+        digests=st.binary(min_size=1, max_size=32),
+        max_pad=4,
     )
-    num_annotations = draw(st.integers(0, 6))
-    points = sorted(
-        draw(
-            st.lists(
-                st.integers(0, num_tokens),
-                min_size=2 * num_annotations,
-                max_size=2 * num_annotations,
-            )
-        )
-    )
-    anns = []
-    for i in range(num_annotations):
-        lo, hi = points[2 * i], points[2 * i + 1]
-        if lo == hi:
-            continue
-        before = draw(st.integers(0, 4))
-        after = draw(st.integers(0, 4))
-        digest = draw(st.binary(min_size=1, max_size=32))
-        anns.append(T(lo, hi - lo, digest, before, before + (hi - lo) + after))
-    return ids, anns
 
 
 # --- TokenRangeAnnotation.clip ---------------------------------------------------------------

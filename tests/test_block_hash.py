@@ -17,6 +17,7 @@ import pytest
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import ids_and_annotations
 
 from omnicache.annotations import MAX_TOKEN_ID, AnnotatedTokens, TokenRangeAnnotation
 from omnicache.block_hash import (
@@ -88,31 +89,14 @@ def reference_keys(hasher: BlockHasher, tokens: AnnotatedTokens) -> list[bytes]:
 
 @st.composite
 def annotated(draw: st.DrawFn, max_tokens: int = 100) -> AnnotatedTokens:
-    num_tokens = draw(st.integers(0, max_tokens))
-    ids = draw(
-        st.lists(
-            st.one_of(st.integers(0, 9), st.just(MAX_TOKEN_ID)),
-            min_size=num_tokens,
-            max_size=num_tokens,
+    ids, anns = draw(
+        ids_and_annotations(
+            max_tokens=max_tokens,
+            token_ids=st.one_of(st.integers(0, 9), st.just(MAX_TOKEN_ID)),
+            digests=st.sampled_from([IMAGE_A, IMAGE_B, AUDIO[:16]]),
+            max_pad=3,
         )
     )
-    num_annotations = draw(st.integers(0, 6))
-    points = sorted(
-        draw(
-            st.lists(
-                st.integers(0, num_tokens),
-                min_size=2 * num_annotations,
-                max_size=2 * num_annotations,
-            )
-        )
-    )
-    anns = []
-    for i in range(num_annotations):
-        lo, hi = points[2 * i], points[2 * i + 1]
-        if lo < hi:
-            before = draw(st.integers(0, 3))
-            digest = draw(st.sampled_from([IMAGE_A, IMAGE_B, AUDIO[:16]]))
-            anns.append(T(lo, hi - lo, digest, before, before + hi - lo + draw(st.integers(0, 3))))
     return AnnotatedTokens(ids, anns)
 
 
