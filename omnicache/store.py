@@ -46,10 +46,19 @@ Deferred entries are staged per request (on the device the rows came from)
 and written into their blocks once, when the request finishes and its block
 table is still known (`TensorStore.commit`), or dropped on abort
 (`TensorStore.discard`).
+
+A second tier (`BlockTier`: another process's memory, Redis, ...) sits beside
+the store and knows blocks only by key. Every block a write stamps, and every
+block `TensorStore.commit` stamps, is offered to the tier (write-behind: the
+tier copies the rows and returns); `TensorStore.read_through` fills newly
+allocated blocks with the rows the tier holds for their keys and stamps them
+(read-through on a local miss). The store knows nothing of how a tier keeps
+its blocks, and a tier that fails costs misses, never an exception.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -63,6 +72,7 @@ from omnicache.block_hash import BlockHash
 
 __all__ = [
     "HIDDEN_STATES",
+    "BlockTier",
     "EntrySpec",
     "MergedRead",
     "ReadMiss",
@@ -71,8 +81,11 @@ __all__ = [
     "StoreCapacityError",
     "StoreStats",
     "TensorStore",
+    "TierBlock",
     "WriteResult",
 ]
+
+_log = logging.getLogger(__name__)
 
 HIDDEN_STATES = "hidden_states"
 """Entry name of the model's hidden states."""
@@ -194,6 +207,43 @@ class ReadMiss(NamedTuple):
     name: str
 
 
+class TierBlock(NamedTuple):
+    """One stamped block of one entry, offered to a `BlockTier`."""
+
+    key: BlockHash
+    name: str
+    # (block_size, *row_shape) rows on the store's device: a view into the
+    # cache, valid only during the `BlockTier.put` call.
+    rows: torch.Tensor
+
+
+class BlockTier(Protocol):
+    """What the store asks of a second tier that keeps blocks by key.
+
+    Implementations: `omnicache.tiers.memory.MemoryTier` (in process) and
+    `omnicache.tiers.redis.RedisTier`. Neither method raises for a fault of
+    the tier itself (unreachable, slow, evicted, corrupt): a fault is a
+    counted miss or a counted lost write.
+    """
+
+    def put(self, blocks: Sequence[TierBlock]) -> None:
+        """Takes blocks to keep; copies their rows before returning."""
+        ...
+
+    def get(
+        self, keys: Sequence[BlockHash], entries: Sequence[EntrySpec], block_size: int
+    ) -> Sequence[Mapping[str, torch.Tensor]]:
+        """The rows of the leading ``keys`` the tier holds for every entry.
+
+        Returns:
+            One mapping per leading block found whole, first block first (so
+            ``len(result) <= len(keys)``): entry name -> ``(block_size,
+            *row_shape)`` CPU rows of the entry's dtype, verified to be the
+            rows stored under that block key.
+        """
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class MergedRead:
     """Result of `TensorStore.read_merged`.
@@ -229,6 +279,14 @@ class StoreStats:
     num_stale_reads: int = 0
     num_evicted_stamps: int = 0
     num_staged_bytes: int = 0
+    # Stamped blocks offered to the tier (one per block and entry).
+    num_tier_offered: int = 0
+    # Blocks `read_through` filled from the tier, and blocks it asked for.
+    num_tier_hit_blocks: int = 0
+    num_tier_queried_blocks: int = 0
+    # Tier calls that raised, or returned rows of the wrong shape or dtype
+    # (a broken tier: counted, logged, treated as a miss).
+    num_tier_errors: int = 0
 
 
 class _EvictionSource(Protocol):
@@ -325,6 +383,8 @@ class TensorStore:
         hidden_dtype: Its dtype; required with ``hidden_size``.
         max_bytes: Cap on the bytes of all cache tensors together (None: no
             cap); `register` raises `StoreCapacityError` beyond it.
+        tier: A second tier: stamped blocks are offered to it, and
+            `read_through` fills blocks from it (None: no tier).
     """
 
     def __init__(
@@ -337,6 +397,7 @@ class TensorStore:
         hidden_size: int | None = None,
         hidden_dtype: torch.dtype | None = None,
         max_bytes: int | None = None,
+        tier: BlockTier | None = None,
     ) -> None:
         _check_positive_int("num_blocks", num_blocks)
         _check_positive_int("block_size", block_size)
@@ -374,6 +435,14 @@ class TensorStore:
         # req_id -> entry name -> chunks (first token position, rows) in staging order.
         self._staged: dict[str, dict[str, list[tuple[int, torch.Tensor]]]] = {}
         self._stats = StoreStats()
+        if tier is not None and not (
+            callable(getattr(tier, "put", None)) and callable(getattr(tier, "get", None))
+        ):
+            raise TypeError(
+                f"tier: expected a BlockTier (put and get methods) or None, "
+                f"found {type(tier).__name__}"
+            )
+        self.tier = tier
         if hidden_size is not None and hidden_dtype is not None:
             self.register(HIDDEN_STATES, hidden_size, hidden_dtype)
 
@@ -842,6 +911,63 @@ class TensorStore:
         self._gather_blocks(entry, ids, flat_out)
         self._stats.num_hit_blocks_read += len(ids)
         return flat_out.view(num_rows, *entry.spec.row_shape)
+
+    def read_through(
+        self,
+        block_ids: Sequence[int],
+        block_keys: Sequence[BlockHash],
+        names: Iterable[str] | None = None,
+    ) -> int:
+        """Fills newly allocated blocks from the tier with the rows of their keys.
+
+        Call it on a local miss, with blocks just allocated for the keys that
+        follow the local hit: the tier's leading run of blocks held whole
+        (every entry of ``names``) is copied in and stamped, as if computed
+        here. Every given block loses its previous stamps and fill counts for
+        every entry, filled or not.
+
+        Args:
+            block_ids: Distinct blocks, one per key, first block first.
+            block_keys: The chained keys to look up, first block first.
+            names: Entries to fill (default: every registered entry); other
+                entries of the filled blocks stay unstamped.
+
+        Returns:
+            How many leading blocks were filled (0 without a tier, or when the
+            tier misses, is down or fails).
+        """
+        entries = self._entries_named(names)
+        ids = self._hit_blocks(block_ids, block_keys)
+        if len(ids) and np.bincount(ids).max() > 1:
+            raise ValueError(f"block_ids: expected distinct blocks, found {ids.tolist()}")
+        tier = self.tier
+        if tier is None or not len(ids) or not entries:
+            return 0
+        specs = [entry.spec for entry in entries]
+        self._stats.num_tier_queried_blocks += len(ids)
+        try:
+            found = list(tier.get(list(block_keys), specs, self.block_size))
+            blocks = _checked_tier_rows(found, specs, self.block_size, len(ids))
+        except Exception as exc:
+            # NOTE: a tier promises not to raise; one that does costs a miss,
+            # never a failed request.
+            self._stats.num_tier_errors += 1
+            _log.warning("tier %s failed a read, served as a miss: %r", type(tier).__name__, exc)
+            blocks = []
+        self.invalidate(ids)
+        num_found = len(blocks)
+        bs = self.block_size
+        for index, rows_by_name in enumerate(blocks):
+            block_id = int(ids[index])
+            key = block_keys[index]
+            for entry in entries:
+                rows = rows_by_name[entry.spec.name].reshape(bs, entry.dim)
+                self._sync(entry)
+                entry.cache[block_id].copy_(rows)
+                entry.stamps[block_id] = key
+                entry.filled[block_id] = bs
+        self._stats.num_tier_hit_blocks += num_found
+        return num_found
 
     def new_read_buffers(
         self, num_rows: int, names: Iterable[str] | None = None
@@ -1452,6 +1578,8 @@ class TensorStore:
         self._stats.num_rows_written += n
         self._stats.num_stamped_blocks += len(stamped)
         self._stats.num_incomplete_blocks += len(incomplete)
+        if stamped and self.tier is not None:
+            self._offer(entry, stamped)
         return WriteResult(entry.spec.name, n, tuple(stamped), tuple(incomplete))
 
     def _apply_small(
@@ -1537,6 +1665,8 @@ class TensorStore:
         stats.num_rows_written += n
         if stamped:
             stats.num_stamped_blocks += len(stamped)
+            if self.tier is not None:
+                self._offer(entry, stamped)
         if incomplete:
             stats.num_incomplete_blocks += len(incomplete)
         return WriteResult(entry.spec.name, n, tuple(stamped), tuple(incomplete))
@@ -1586,6 +1716,33 @@ class TensorStore:
         if index_t is None or index_t.device != self.device:
             index_t = torch.from_numpy(slots).to(self.device)
         dst_w.index_put_((index_t.to(torch.int64),), src_w)
+
+    def _offer(self, entry: _Entry, block_ids: Sequence[int]) -> None:
+        """Offers blocks that a write just stamped to the tier (write-behind)."""
+        tier = self.tier
+        assert tier is not None
+        # NOTE: the tier copies the rows: asynchronous copies into them must land.
+        self._sync(entry)
+        name = entry.spec.name
+        shape = (self.block_size, *entry.spec.row_shape)
+        blocks = [
+            TierBlock(entry.stamps[block_id], name, entry.cache[block_id].view(shape))
+            for block_id in block_ids
+        ]
+        self._stats.num_tier_offered += len(blocks)
+        try:
+            tier.put(blocks)
+        except Exception as exc:
+            # NOTE: the write itself happened; a tier that raises loses only
+            # its copy.
+            self._stats.num_tier_errors += 1
+            _log.warning(
+                "tier %s failed to take %d blocks of %r: %r",
+                type(tier).__name__,
+                len(blocks),
+                name,
+                exc,
+            )
 
     def _gather_blocks(self, entry: _Entry, ids: IntArray, flat_out: torch.Tensor) -> None:
         """Copies whole blocks ``ids`` into ``flat_out`` (``len(ids) * block_size`` rows)."""
@@ -1713,6 +1870,36 @@ def _check_block_keys(
                     f"block_keys[{block_id}]: expected bytes, found {type(key).__name__}"
                 )
     return block_keys
+
+
+def _checked_tier_rows(
+    found: list[Mapping[str, torch.Tensor]],
+    specs: Sequence[EntrySpec],
+    block_size: int,
+    num_keys: int,
+) -> list[Mapping[str, torch.Tensor]]:
+    """What a tier returned, or ValueError when it broke `BlockTier.get`'s contract."""
+    if len(found) > num_keys:
+        raise ValueError(f"tier: expected at most {num_keys} blocks, found {len(found)}")
+    for index, rows_by_name in enumerate(found):
+        for spec in specs:
+            rows = rows_by_name.get(spec.name)
+            shape = (block_size, *spec.row_shape)
+            if (
+                not isinstance(rows, torch.Tensor)
+                or tuple(rows.shape) != shape
+                or rows.dtype != spec.dtype
+            ):
+                found_as = (
+                    f"{tuple(rows.shape)} {rows.dtype}"
+                    if isinstance(rows, torch.Tensor)
+                    else type(rows).__name__
+                )
+                raise ValueError(
+                    f"tier: block {index}, entry {spec.name!r}: expected {shape} "
+                    f"{spec.dtype}, found {found_as}"
+                )
+    return found
 
 
 def _advance_fill(filled: npt.NDArray[np.int32], block: int, offset: int, length: int) -> None:

@@ -1,0 +1,408 @@
+"""RedisTier: a `BlockTier` on Redis or Redis Cluster, shared by engine processes.
+
+Block keys are content addressed and the same in every process, so an engine
+that misses locally can take the blocks another engine computed. Each block's
+entry is one Redis string (see `omnicache.tiers.codec` for the value)::
+
+    {prefix}:{namespace}:{block key hex}:{entry}     e.g.
+    omnicache:qwen2.5-omni-7b:3f9c...e1:hidden_states
+
+Writes are behind: `put` copies the rows into a buffer and queues it; a writer
+thread seals the checksums and sends them in pipelines of up to
+``batch_bytes``. Reads go through: `get` asks for every entry of every key in
+one round trip and serves the leading blocks whose values all verify.
+
+Every value stands alone (no index, no set of members), so Redis may expire
+(``ttl_s``) or evict (``maxmemory`` with an ``allkeys-*`` policy) any of them:
+a block missing one entry is a miss, never part of an answer.
+
+Faults. A command that fails (refused, reset, timed out, server loading after
+a restart) is a miss for a read and a counted loss for a write; the first
+fault of an outage logs a warning, and for ``retry_after_s`` the tier answers
+misses without asking and holds its writes. The next call after that tries
+again; redis-py opens new connections by itself, and the first success logs
+that the tier is back. Nothing raises into the caller, and nothing is served
+that did not verify.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from omnicache.block_hash import BlockHash
+from omnicache.store import EntrySpec, TierBlock
+from omnicache.tiers import codec
+from omnicache.tiers.base import TierStats, check_key_part, decode_run, value_key
+
+try:
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "omnicache.tiers.redis needs redis-py: pip install 'omnicache-mm[redis]'"
+    ) from exc
+
+__all__ = ["RedisTier"]
+
+_log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+
+class RedisTier:
+    """Block values in Redis, written behind and read through.
+
+    Args:
+        client: A ``redis.Redis`` or ``redis.cluster.RedisCluster`` (see
+            `from_url`, which sets timeouts fit for a serving path).
+        namespace: Second part of every key: engines share blocks only
+            within one namespace (a model, a deployment).
+        prefix: First part of every key.
+        ttl_s: Lifetime of each value in seconds (None: until evicted).
+        max_value_bytes: Largest value written; larger ones are counted in
+            ``num_oversize_values`` and never sent.
+        max_pending_bytes: Cap on the bytes queued for writing; beyond it a
+            value is counted in ``num_dropped_values`` and not queued.
+        batch_bytes: Bytes per write pipeline.
+        retry_after_s: After a fault, how long reads answer misses without
+            asking and writes wait.
+        clock: Monotonic seconds (tests pass a fake one).
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        namespace: str,
+        prefix: str = "omnicache",
+        ttl_s: int | None = None,
+        max_value_bytes: int = 16 * MiB,
+        max_pending_bytes: int = 256 * MiB,
+        batch_bytes: int = 8 * MiB,
+        retry_after_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not callable(getattr(client, "pipeline", None)):
+            raise TypeError(
+                f"client: expected redis.Redis or redis.cluster.RedisCluster, "
+                f"found {type(client).__name__}"
+            )
+        self.namespace = check_key_part("namespace", namespace)
+        self.prefix = check_key_part("prefix", prefix)
+        if ttl_s is not None and (type(ttl_s) is not int or ttl_s < 1):
+            raise ValueError(f"ttl_s: expected an int >= 1 or None, found {ttl_s!r}")
+        for what, value in (
+            ("max_value_bytes", max_value_bytes),
+            ("max_pending_bytes", max_pending_bytes),
+            ("batch_bytes", batch_bytes),
+        ):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{what}: expected an int >= 1, found {value!r}")
+        if not isinstance(retry_after_s, (int, float)) or not retry_after_s >= 0:
+            raise ValueError(f"retry_after_s: expected a number >= 0, found {retry_after_s!r}")
+        self.client = client
+        self.ttl_s = ttl_s
+        self.max_value_bytes = max_value_bytes
+        self.max_pending_bytes = max_pending_bytes
+        self.batch_bytes = batch_bytes
+        self.retry_after_s = float(retry_after_s)
+        self._clock = clock
+        # NOTE: plain Redis answers MGET for any keys; a cluster only for keys
+        # of one slot, so there the client splits the keys by node.
+        self._mget = getattr(client, "mget_nonatomic", None) or client.mget
+        self._stats = TierStats()
+        self._cv = threading.Condition()
+        # (value key, packed value, checksum offset), oldest first.
+        self._queue: deque[tuple[str, bytearray, int]] = deque()
+        self._in_flight = 0
+        self._closing = False
+        # While clock() < _down_until, the tier does not ask the server.
+        self._down_until = 0.0
+        self._down = False
+        self._writer = threading.Thread(target=self._write_loop, name="omnicache-redis-writer")
+        self._writer.daemon = True
+        self._writer.start()
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        namespace: str,
+        socket_timeout_s: float = 0.5,
+        cluster: bool = False,
+        **kwargs: Any,
+    ) -> RedisTier:
+        """A tier on the server at ``url`` (``redis://host:port/db``).
+
+        Args:
+            url: The server (or, with ``cluster``, any node of the cluster).
+            namespace: See `RedisTier`.
+            socket_timeout_s: Connect and command timeout: how long a slow
+                server may hold a request before it is served as a miss.
+            cluster: Talk to a Redis Cluster.
+            **kwargs: Other `RedisTier` arguments.
+        """
+        options: dict[str, Any] = {
+            "socket_timeout": socket_timeout_s,
+            "socket_connect_timeout": socket_timeout_s,
+        }
+        if cluster:
+            from redis.cluster import RedisCluster
+
+            client: Any = RedisCluster.from_url(url, **options)
+        else:
+            # NOTE: no retries inside a command: a fault is answered at once
+            # as a miss, and the tier's own back-off decides when to ask again.
+            client = redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **options)
+        return cls(client, namespace=namespace, **kwargs)
+
+    # -- BlockTier ------------------------------------------------------------
+
+    def put(self, blocks: Sequence[TierBlock]) -> None:
+        """Queues each block's rows for writing (see `BlockTier.put`); never raises."""
+        try:
+            packed = [
+                (
+                    value_key(self.prefix, self.namespace, b.key, b.name),
+                    *codec.pack(b.key, b.name, b.rows),
+                )
+                for b in blocks
+            ]
+        except Exception as exc:
+            with self._cv:
+                self._stats.num_put_values += len(blocks)
+                self._stats.num_dropped_values += len(blocks)
+            _log.warning(
+                "redis tier: could not encode %d blocks, not written: %r", len(blocks), exc
+            )
+            return
+        num_dropped = 0
+        with self._cv:
+            stats = self._stats
+            for name, buf, at in packed:
+                stats.num_put_values += 1
+                size = len(buf)
+                if size > self.max_value_bytes:
+                    stats.num_oversize_values += 1
+                    if stats.num_oversize_values == 1:
+                        _log.warning(
+                            "redis tier: a value of %d bytes exceeds max_value_bytes=%d; "
+                            "such values are not written (num_oversize_values counts them)",
+                            size,
+                            self.max_value_bytes,
+                        )
+                    continue
+                if self._closing or stats.num_pending_bytes + size > self.max_pending_bytes:
+                    stats.num_dropped_values += 1
+                    num_dropped += 1
+                    continue
+                self._queue.append((name, buf, at))
+                stats.num_pending_bytes += size
+            self._cv.notify_all()
+        if num_dropped:
+            _log.warning(
+                "redis tier: %d values not written: write-behind queue full "
+                "(max_pending_bytes=%d) or tier closed",
+                num_dropped,
+                self.max_pending_bytes,
+            )
+
+    def get(
+        self, keys: Sequence[BlockHash], entries: Sequence[EntrySpec], block_size: int
+    ) -> list[Mapping[str, torch.Tensor]]:
+        """The leading blocks of ``keys`` held whole (see `BlockTier.get`); never raises."""
+        with self._cv:
+            self._stats.num_get_calls += 1
+            self._stats.num_get_blocks += len(keys)
+            if self._clock() < self._down_until:
+                self._stats.num_skipped_calls += 1
+                return []
+        if not keys or not entries:
+            return []
+        names = [value_key(self.prefix, self.namespace, k, e.name) for k in keys for e in entries]
+        try:
+            values = self._mget(names)
+            if len(values) != len(names):
+                raise redis.ResponseError(
+                    f"MGET: expected {len(names)} values, found {len(values)}"
+                )
+        except Exception as exc:
+            # NOTE: any failure of the client is a miss: a serving path must
+            # not fail because its cache did.
+            self._fault(exc, "read")
+            with self._cv:
+                self._stats.num_read_errors += 1
+            return []
+        self._recovered()
+        num_entries = len(entries)
+        rejected: list[tuple[int, EntrySpec, codec.Rejection]] = []
+
+        def value_of(index: int, j: int) -> bytes | None:
+            value: bytes | None = values[index * num_entries + j]
+            return value
+
+        def on_reject(index: int, spec: EntrySpec, why: codec.Rejection) -> None:
+            rejected.append((index, spec, why))
+
+        try:
+            run = decode_run(keys, entries, block_size, value_of, on_reject)
+        except Exception as exc:
+            self._fault(exc, "read")
+            with self._cv:
+                self._stats.num_read_errors += 1
+            return []
+        with self._cv:
+            self._stats.num_hit_blocks += len(run)
+            self._stats.num_rejected_values += len(rejected)
+        for index, spec, why in rejected:
+            _log.warning(
+                "redis tier: value %s rejected (%s): served as a miss",
+                value_key(self.prefix, self.namespace, keys[index], spec.name),
+                why.value,
+            )
+        return run
+
+    # -- life -----------------------------------------------------------------
+
+    @property
+    def stats(self) -> TierStats:
+        """A snapshot of the counters."""
+        with self._cv:
+            return replace(self._stats)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Waits until every queued value is written or lost.
+
+        Returns:
+            Whether the queue drained within ``timeout_s`` (None: no limit).
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cv:
+            self._cv.notify_all()
+            while self._queue or self._in_flight:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(0.05 if left is None else min(left, 0.05))
+            return True
+
+    def close(self, timeout_s: float | None = 10.0) -> None:
+        """Flushes (up to ``timeout_s``), then stops the writer.
+
+        Values still queued after the timeout are counted in
+        ``num_dropped_values``. Later `put` calls drop (and count) their values;
+        `get` keeps working.
+        """
+        self.flush(timeout_s)
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._writer.join()
+
+    def __enter__(self) -> RedisTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ------------------------------------------------------------
+
+    def _fault(self, exc: BaseException, during: str) -> None:
+        with self._cv:
+            self._stats.num_faults += 1
+            self._down_until = self._clock() + self.retry_after_s
+            first = not self._down
+            self._down = True
+        if first:
+            _log.warning(
+                "redis tier: %s failed (%s: %s); serving misses, retrying in %.1f s",
+                during,
+                type(exc).__name__,
+                exc,
+                self.retry_after_s,
+            )
+
+    def _recovered(self) -> None:
+        with self._cv:
+            if not self._down:
+                return
+            self._down = False
+            self._stats.num_reconnects += 1
+        _log.warning("redis tier: server answers again; reads and writes resume")
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cv:
+                batch = self._next_batch()
+                if batch is None:
+                    return
+            num_written = self._send(batch)
+            with self._cv:
+                size = sum(len(buf) for _, buf, _ in batch)
+                self._stats.num_pending_bytes -= size
+                self._in_flight = 0
+                self._stats.num_written_values += num_written
+                self._stats.num_write_errors += len(batch) - num_written
+                self._cv.notify_all()
+
+    def _next_batch(self) -> list[tuple[str, bytearray, int]] | None:
+        """Waits for values to send (holding the lock); None: closed and done."""
+        while True:
+            if self._closing and (not self._queue or self._clock() < self._down_until):
+                # NOTE: close waited for the flush; what is left is dropped, counted.
+                if self._queue:
+                    num = len(self._queue)
+                    self._stats.num_dropped_values += num
+                    self._stats.num_pending_bytes -= sum(len(v[1]) for v in self._queue)
+                    self._queue.clear()
+                    _log.warning("redis tier: closed with %d values unwritten", num)
+                    self._cv.notify_all()
+                return None
+            if not self._queue:
+                self._cv.wait()
+                continue
+            wait = self._down_until - self._clock()
+            if wait > 0:
+                self._cv.wait(min(wait, 0.05))
+                continue
+            batch = [self._queue.popleft()]
+            size = len(batch[0][1])
+            while self._queue and size + len(self._queue[0][1]) <= self.batch_bytes:
+                item = self._queue.popleft()
+                size += len(item[1])
+                batch.append(item)
+            # NOTE: still counted in num_pending_bytes until sent.
+            self._in_flight = len(batch)
+            return batch
+
+    def _send(self, batch: list[tuple[str, bytearray, int]]) -> int:
+        """Writes a batch in one pipeline; returns how many values were stored."""
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for name, buf, at in batch:
+                codec.seal(buf, at)
+                pipe.set(name, memoryview(buf), ex=self.ttl_s)
+            # NOTE: a refused command (OOM under maxmemory noeviction, ...)
+            # comes back as its reply; a lost connection raises.
+            replies = pipe.execute(raise_on_error=False)
+        except Exception as exc:
+            self._fault(exc, "write")
+            return 0
+        num_written = sum(1 for reply in replies if reply is True)
+        if num_written < len(batch):
+            failed = next(reply for reply in replies if reply is not True)
+            error = failed if isinstance(failed, Exception) else redis.ResponseError(repr(failed))
+            self._fault(error, "write")
+        else:
+            self._recovered()
+        return num_written
