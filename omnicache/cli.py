@@ -11,7 +11,10 @@ table. Options: ``--block-size``, ``--num-blocks``, ``--algorithm`` (content
 digests and block keys), ``--salt`` (mixed into every tenant's salt),
 ``--plot out.png`` (hit rate and time against cache size, from reruns at
 several ``--num-blocks``), ``--progress`` (progress bar even when stderr is
-not a terminal) and ``--threads``.
+not a terminal), ``--threads``, and ``--redis URL`` with
+``--redis-namespace NS``: share blocks with other engine processes through a
+Redis server (`omnicache.tiers.redis`; a second run, or a run in another
+process, gets hits for what the first one computed).
 
 Exit status:
     0  success: every request matched its recompute, no stale read
@@ -30,7 +33,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import NamedTuple, TextIO
+from typing import TYPE_CHECKING, NamedTuple, TextIO
 
 import torch
 from PIL import Image, ImageDraw, ImageFont
@@ -43,6 +46,7 @@ from omnicache.model import (
     ModelConfig,
     Processor,
     RunReport,
+    ServingEngine,
     TinyOmniModel,
     check_fits,
     run_cached,
@@ -55,6 +59,9 @@ from omnicache.workloads import (
     read_wav,
     synthetic_trace,
 )
+
+if TYPE_CHECKING:
+    from omnicache.tiers.redis import RedisTier
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_MISMATCH", "EXIT_OK", "EXIT_USAGE", "main"]
 
@@ -146,6 +153,16 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> None:
         "--threads", type=_positive_int, default=1,
         help="torch threads (default 1: comparable timings on a shared machine)",
     )  # fmt: skip
+    parser.add_argument(
+        "--redis", metavar="URL",
+        help="share blocks with other engines through the Redis server at URL "
+        "(redis://host:port/db); a miss on a server that is down is only a miss",
+    )  # fmt: skip
+    parser.add_argument(
+        "--redis-namespace", default="omnicache-demo", metavar="NS",
+        help="key namespace on the Redis server: engines share blocks within one "
+        "(default %(default)s)",
+    )  # fmt: skip
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -198,7 +215,8 @@ def _summary(
         (
             "best possible hit rate",
             f"{report.best_hit_rate:.1%}",
-            f"an infinite cache on this trace ({_fmt_int(report.num_best_hit_tokens)} tokens)",
+            f"an infinite local cache on this trace "
+            f"({_fmt_int(report.num_best_hit_tokens)} tokens)",
         ),
         (
             "recompute saved",
@@ -240,6 +258,32 @@ def _summary(
         f"max |diff| {report.max_abs_diff:.1e}"
     )
     return lines
+
+
+def _redis_tier(args: argparse.Namespace) -> RedisTier:
+    try:
+        from omnicache.tiers.redis import RedisTier
+    except ImportError as exc:
+        raise _UsageError(f"--redis: {exc}") from None
+    try:
+        return RedisTier.from_url(args.redis, namespace=args.redis_namespace)
+    except ValueError as exc:
+        raise _UsageError(f"--redis: {exc}") from None
+
+
+def _tier_summary(args: argparse.Namespace, tier: RedisTier, report: RunReport) -> list[str]:
+    stats = tier.stats
+    lost = stats.num_write_errors + stats.num_dropped_values + stats.num_oversize_values
+    return [
+        "",
+        f"redis tier {args.redis} (namespace {args.redis_namespace}):",
+        f"  hit tokens from the tier {_fmt_int(report.num_tier_hit_tokens)}",
+        f"  blocks found {_fmt_int(stats.num_hit_blocks)} of {_fmt_int(stats.num_get_blocks)} "
+        f"asked; values written {_fmt_int(stats.num_written_values)}, lost {_fmt_int(lost)}",
+        f"  values rejected {_fmt_int(stats.num_rejected_values)}, faults "
+        f"{_fmt_int(stats.num_faults)} (read errors {_fmt_int(stats.num_read_errors)}, "
+        f"reconnects {_fmt_int(stats.num_reconnects)})",
+    ]
 
 
 def _sweep_sizes(longest: int, block_size: int, num_distinct: int, chosen: int) -> list[int]:
@@ -337,16 +381,27 @@ def _serve(args: argparse.Namespace, trace: Trace, model_config: ModelConfig) ->
         longest = check_fits(model, processor, trace, cache_config)
     except ValueError as exc:
         raise _UsageError(str(exc)) from None
+    tier = _redis_tier(args) if args.redis is not None else None
     show = bool(args.progress or sys.stderr.isatty())
     # Warm-up (not counted): first calls pay for lazy imports and allocator growth.
     first = Trace(trace.name, trace.requests[:1])
     run_cached(model, Processor(model_config), first, cache_config, [])
-    report = run_cached(
-        model, processor, trace, cache_config, [], Progress(sys.stderr, "serving", show)
-    )
+    engine = None if tier is None else ServingEngine(model, processor, cache_config, tier=tier)
+    try:
+        report = run_cached(
+            model, processor, trace, cache_config, [], Progress(sys.stderr, "serving", show),
+            engine=engine,
+        )  # fmt: skip
+    finally:
+        if tier is not None:
+            # NOTE: the writes are behind: another engine sees them once flushed.
+            tier.close()
     print(f"omnicache {args.command}")
     for line in _summary(trace, model, report, args.threads, args.salt):
         print(line)
+    if tier is not None:
+        for line in _tier_summary(args, tier, report):
+            print(line)
     reports = [report]
     if args.plot is not None:
         sizes = _sweep_sizes(longest, args.block_size, report.num_distinct_blocks, args.num_blocks)
@@ -354,6 +409,8 @@ def _serve(args: argparse.Namespace, trace: Trace, model_config: ModelConfig) ->
         print("cache size sweep (--plot):")
         print(f"  {'blocks':>7}  {'hit rate':>8}  {'best':>6}  {'without':>9}  {'with cache':>10}  "
               f"{'speedup':>7}  {'evictions':>9}  {'mismatches':>10}")  # fmt: skip
+        if tier is not None:
+            print("  (without the Redis tier: each size is served by its local cache alone)")
         sweep: list[RunReport] = []
         for size in sizes:
             if size == args.num_blocks:

@@ -51,7 +51,7 @@ from omnicache.block_hash import DEFAULT_BLOCK_ALGORITHM, BlockHash, BlockHasher
 from omnicache.block_pool import BlockPool
 from omnicache.prefix_cache import PrefixCache
 from omnicache.preprocess import annotate_prompt
-from omnicache.store import ScheduledRequest, TensorStore
+from omnicache.store import BlockTier, ScheduledRequest, TensorStore
 from omnicache.workloads import AudioItem, ImageItem, MediaItem, Message, Trace, TraceRequest
 
 __all__ = [
@@ -498,6 +498,8 @@ class Served(NamedTuple):
     num_computed_tokens: int
     num_items_encoded: int
     stale: bool
+    # Hit tokens whose blocks came from the tier (a part of num_hit_tokens).
+    num_tier_hit_tokens: int = 0
 
 
 class ServingEngine:
@@ -507,10 +509,20 @@ class ServingEngine:
     are shared by every tenant; each (tenant, salt) gets its own
     `BlockHasher` and `PrefixCache` over that pool, so tenants compete for
     room but never share a block.
+
+    With a ``tier`` (a `BlockTier`, such as a `RedisTier` that other engine
+    processes share), every block the store stamps is offered to it, and the
+    blocks that follow a local hit are looked up there before they are
+    computed: what the tier holds is filled in and served as a hit.
     """
 
     def __init__(
-        self, model: TinyOmniModel, processor: Processor, cache_config: CacheConfig
+        self,
+        model: TinyOmniModel,
+        processor: Processor,
+        cache_config: CacheConfig,
+        *,
+        tier: BlockTier | None = None,
     ) -> None:
         self.model = model
         self.processor = processor
@@ -522,6 +534,7 @@ class ServingEngine:
             cache_config.block_size,
             hidden_size=cfg.hidden_size,
             hidden_dtype=torch.float32,
+            tier=tier,
         )
         self.kv_names = [
             name for i in range(cfg.num_layers) for name in (f"layer{i}.k", f"layer{i}.v")
@@ -563,11 +576,40 @@ class ServingEngine:
                 f"{self.pool.num_free_blocks} free blocks with no request running"
             )
         try:
-            return self._prefill(
-                cache, rid, tokenized, admitted.block_ids, admitted.num_cached_tokens
-            )
+            num_hit = admitted.num_cached_tokens
+            num_tier = self._read_through(cache, rid, admitted.block_ids, num_hit, len(prompt))
+            served = self._prefill(cache, rid, tokenized, admitted.block_ids, num_hit + num_tier)
+            return served._replace(num_tier_hit_tokens=num_tier)
         finally:
             cache.free(rid)
+
+    def _read_through(
+        self,
+        cache: PrefixCache,
+        rid: str,
+        block_ids: Sequence[int],
+        num_hit: int,
+        num_tokens: int,
+    ) -> int:
+        """Fills the blocks after the local hit from the tier; returns the tokens filled.
+
+        The hit stays capped at ``num_tokens - 1`` tokens in whole blocks (the
+        last prompt token is always computed), as for a local hit.
+        """
+        if self.store.tier is None:
+            return 0
+        bs = self.cache_config.block_size
+        first = num_hit // bs
+        last = (num_tokens - 1) // bs
+        if last <= first:
+            return 0
+        keys = cache.block_hashes(rid)[first:last]
+        num_found = self.store.read_through(block_ids[first:last], keys)
+        if num_found:
+            # NOTE: registered like computed blocks, so later requests hit
+            # them locally and the pool's evictions clear their stamps.
+            cache.mark_computed(rid, (first + num_found) * bs)
+        return num_found * bs
 
     def _prefill(
         self,
@@ -727,6 +769,8 @@ class RunReport:
     num_tenants: int = 0
     num_prompt_tokens: int = 0
     num_hit_tokens: int = 0
+    # Hit tokens filled from the tier (a part of num_hit_tokens).
+    num_tier_hit_tokens: int = 0
     num_best_hit_tokens: int = 0
     # Distinct full-block keys in the trace: a pool this large never evicts.
     num_distinct_blocks: int = 0
@@ -859,6 +903,7 @@ def run_cached(
         report.seconds_reference += ref.seconds
         report.num_prompt_tokens += served.num_tokens
         report.num_hit_tokens += served.num_hit_tokens
+        report.num_tier_hit_tokens += served.num_tier_hit_tokens
         report.flops_full += model.config.flops(served.num_tokens)
         report.flops_cached += model.config.flops(
             served.num_tokens, served.num_tokens - served.num_computed_tokens

@@ -20,6 +20,8 @@ LAYERS = [
     ["omnicache.block_pool"],
     ["omnicache.prefix_cache"],
     ["omnicache.store"],
+    # Beside the store: it knows them only through BlockTier.
+    ["omnicache.tiers"],
     ["omnicache.model", "omnicache.workloads", "omnicache.cli", "omnicache.__main__"],
     ["omnicache.integrations"],
 ]
@@ -93,3 +95,15 @@ def test_store_names_resolve_lazily() -> None:
         assert str(error) == "module 'omnicache' has no attribute 'NoSuchName'"
     else:
         raise AssertionError("an unknown name resolved")
+
+
+def test_the_store_knows_no_tier_and_no_redis() -> None:
+    code = (
+        "import sys\n"
+        "import omnicache, omnicache.store, omnicache.model, omnicache.tiers\n"
+        "print(sorted(m for m in sys.modules if m == 'redis' or m.startswith('omnicache.tiers')))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True
+    )
+    assert result.stdout.strip() == "['omnicache.tiers']"
