@@ -86,6 +86,8 @@ def decode_run(
         value_of: ``(block index, entry index)`` -> the stored value, or None.
         on_reject: Called for a value found but not served.
     """
+    if not entries:
+        return []
     shapes = [(block_size, *spec.row_shape) for spec in entries]
     run: list[Mapping[str, torch.Tensor]] = []
     # NOTE: values come back as read-only bytes, which torch warns about once

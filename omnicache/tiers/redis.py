@@ -161,9 +161,12 @@ class RedisTier:
 
             client: Any = RedisCluster.from_url(url, **options)
         else:
-            # NOTE: no retries inside a command: a fault is answered at once
-            # as a miss, and the tier's own back-off decides when to ask again.
-            client = redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **options)
+            # NOTE: one immediate retry on a dropped connection (a restarted
+            # server leaves the pooled ones dead), none on a timeout: a slow
+            # server costs one socket_timeout_s and is then a miss, and the
+            # tier's own back-off decides when to ask again.
+            retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
+            client = redis.Redis.from_url(url, retry=retry, **options)
         return cls(client, namespace=namespace, **kwargs)
 
     # -- BlockTier ------------------------------------------------------------

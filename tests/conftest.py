@@ -1,0 +1,30 @@
+"""Fixtures shared by test modules: the Redis server of the tier tests."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from redis_server import RedisServer, find_server
+
+
+@pytest.fixture(scope="session")
+def redis_server_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    found = find_server(tmp_path_factory.mktemp("redis"))
+    if isinstance(found, str):
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true requires a Redis server: {found}", pytrace=False)
+        pytest.skip(found)
+    yield found
+    found.shut_for_good()
+
+
+@pytest.fixture
+def redis_server(redis_server_session: RedisServer) -> Iterator[RedisServer]:
+    """The test server, up; one that a test stopped is started again afterwards."""
+    if not redis_server_session.is_up():
+        redis_server_session.start()
+    yield redis_server_session
+    if not redis_server_session.is_up():
+        redis_server_session.start()
