@@ -923,8 +923,9 @@ class TensorStore:
         Call it on a local miss, with blocks just allocated for the keys that
         follow the local hit: the tier's leading run of blocks held whole
         (every entry of ``names``) is copied in and stamped, as if computed
-        here. Every given block loses its previous stamps and fill counts for
-        every entry, filled or not.
+        here. When the tier is asked, every given block loses its previous
+        stamps and fill counts for every entry, filled or not; without a tier,
+        or with no entry to fill, nothing changes.
 
         Args:
             block_ids: Distinct blocks, one per key, first block first.

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -104,3 +106,57 @@ def find_server(tmp_dir: Path) -> RedisServer | str:
         return RedisServer.start_private(tmp_dir)
     except RuntimeError as exc:
         return str(exc)
+
+
+def _free_cluster_port() -> int:
+    """A free port p <= 55535 whose bus port p + 10000 is free too (Redis Cluster's rule)."""
+    for _ in range(200):
+        port = random.randint(20000, 55535)
+        try:
+            for candidate in (port, port + 10000):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+def start_cluster(folder: Path, num_nodes: int = 3) -> list[RedisServer]:
+    """A Redis Cluster of ``num_nodes`` masters on loopback, slots spread evenly."""
+    nodes: list[RedisServer] = []
+    try:
+        for index in range(num_nodes):
+            node_dir = folder / f"node{index}"
+            node_dir.mkdir(parents=True)
+            port = _free_cluster_port()
+            config = node_dir / "redis.conf"
+            config.write_text(
+                f"bind 127.0.0.1\nport {port}\ndaemonize yes\npidfile {node_dir}/redis.pid\n"
+                f'logfile {node_dir}/redis.log\ndir {node_dir}\nsave ""\nappendonly no\n'
+                f"cluster-enabled yes\ncluster-config-file {node_dir}/nodes.conf\n"
+            )
+            node = RedisServer(f"redis://127.0.0.1:{port}/0", str(config), node_dir)
+            node.start()
+            nodes.append(node)
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes),
+             "--cluster-replicas", "0", "--cluster-yes"],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while not all(_cluster_ok(n) for n in nodes):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the cluster did not reach cluster_state:ok")
+            time.sleep(0.05)
+    except BaseException:
+        for node in nodes:
+            node.shut_for_good()
+        raise
+    return nodes
+
+
+def _cluster_ok(node: RedisServer) -> bool:
+    info = node.client().execute_command("CLUSTER", "INFO")
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    return "cluster_state:ok" in text

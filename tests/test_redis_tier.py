@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-from redis_server import RedisServer
+from redis_server import RedisServer, start_cluster
 
 from omnicache.block_hash import BlockHash
 from omnicache.store import EntrySpec, TensorStore, TierBlock
@@ -454,3 +454,42 @@ def test_a_second_engine_process_hits_what_the_first_computed(
     assert second["tier_hit"] == second["cap"] - first["best_local"]
     assert second["tier_hit"] > 1000
     assert first["evictions"] == second["evictions"] == 0
+
+
+# -- Redis Cluster ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, redis_server: RedisServer) -> Iterator[list[RedisServer]]:
+    """Three masters on loopback (``redis_server`` first: it fails or skips as in CI)."""
+    nodes = start_cluster(tmp_path)
+    yield nodes
+    for node in nodes:
+        node.shut_for_good()
+
+
+def test_a_cluster_spreads_blocks_over_its_nodes(
+    cluster: list[RedisServer], namespace: str, clock: FakeClock
+) -> None:
+    tier = RedisTier.from_url(
+        cluster[0].url, namespace=namespace, cluster=True, retry_after_s=5.0, clock=clock
+    )
+    try:
+        writer = TensorStore(64, BS, hidden_size=8, hidden_dtype=torch.float32, tier=tier)
+        hs = torch.cat([rows(i) for i in range(64)])
+        keys = [key(i) for i in range(64)]
+        writer.write_blocks(HIDDEN.name, hs, list(range(64)), block_keys=keys)
+        assert tier.flush(10)
+        per_node = [node.client().dbsize() for node in cluster]
+        assert sum(per_node) == 64
+        assert min(per_node) > 0
+        reader = TensorStore(64, BS, hidden_size=8, hidden_dtype=torch.float32, tier=tier)
+        assert reader.read_through(list(range(64)), keys) == 64
+        assert torch.equal(reader.read_blocks(HIDDEN.name, list(range(64)), keys), hs)
+        # A node down: its slots cannot answer, so the read is a miss, not an error.
+        cluster[2].stop()
+        assert reader.read_through(list(range(64)), keys) == 0
+        stats = tier.stats
+        assert (stats.num_read_errors, stats.num_faults, stats.num_rejected_values) == (1, 1, 0)
+    finally:
+        tier.close(2)
