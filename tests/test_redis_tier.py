@@ -264,6 +264,31 @@ def test_maxmemory_eviction_leaves_misses_never_mixed_blocks(tmp_path: Path) -> 
         server.shut_for_good()
 
 
+def test_a_full_server_under_noeviction_refuses_writes_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = RedisServer.start_private(tmp_path)
+    try:
+        client = server.client()
+        client.config_set("maxmemory-policy", "noeviction")
+        tier = RedisTier.from_url(server.url, namespace="full", retry_after_s=0.0)
+        put(tier, [1])
+        assert tier.flush(5)
+        # Memory now counts as full: every further SET is refused with OOM.
+        client.config_set("maxmemory", 1)
+        with caplog.at_level(logging.WARNING, logger="omnicache.tiers.redis"):
+            put(tier, [2, 3])
+            assert tier.flush(5)
+        stats = tier.stats
+        assert (stats.num_written_values, stats.num_write_errors, stats.num_faults) == (1, 2, 1)
+        assert "OOM command not allowed when used memory > 'maxmemory'" in caplog.text
+        # Reads still work: what was stored is served.
+        assert hits(tier, [1, 2]) == [1]
+        tier.close(2)
+    finally:
+        server.shut_for_good()
+
+
 def test_values_carry_the_ttl(redis_server: RedisServer, namespace: str) -> None:
     tier = RedisTier.from_url(redis_server.url, namespace=namespace, ttl_s=30)
     try:
