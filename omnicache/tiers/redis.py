@@ -16,13 +16,15 @@ Every value stands alone (no index, no set of members), so Redis may expire
 (``ttl_s``) or evict (``maxmemory`` with an ``allkeys-*`` policy) any of them:
 a block missing one entry is a miss, never part of an answer.
 
-Faults. A command that fails (refused, reset, timed out, server loading after
-a restart) is a miss for a read and a counted loss for a write; the first
+Faults. A command that fails (connection refused or reset, timed out, server
+loading after a restart) is a miss for a read and a counted loss for a write; the first
 fault of an outage logs a warning, and for ``retry_after_s`` the tier answers
 misses without asking and holds its writes. The next call after that tries
 again; redis-py opens new connections by itself, and the first success logs
-that the tier is back. Nothing raises into the caller, and nothing is served
-that did not verify.
+that the tier is back. A write the server answers with an error (out of
+memory under ``noeviction``, ...) is a counted loss with one warning, and no
+fault: reads go on. Nothing raises into the caller, and nothing is served that
+did not verify.
 """
 
 from __future__ import annotations
@@ -128,6 +130,8 @@ class RedisTier:
         # While clock() < _down_until, the tier does not ask the server.
         self._down_until = 0.0
         self._down = False
+        # Whether the last batch had writes the server refused (writer thread only).
+        self._refusing = False
         self._writer = threading.Thread(target=self._write_loop, name="omnicache-redis-writer")
         self._writer.daemon = True
         self._writer.start()
@@ -401,11 +405,18 @@ class RedisTier:
         except Exception as exc:
             self._fault(exc, "write")
             return 0
+        self._recovered()
         num_written = sum(1 for reply in replies if reply is True)
-        if num_written < len(batch):
+        refused = len(batch) - num_written
+        if refused and not self._refusing:
+            # NOTE: the server answered, so this is no outage: reads go on.
+            # One warning until a batch is stored whole again.
             failed = next(reply for reply in replies if reply is not True)
-            error = failed if isinstance(failed, Exception) else redis.ResponseError(repr(failed))
-            self._fault(error, "write")
-        else:
-            self._recovered()
+            _log.warning(
+                "redis tier: server refused %d of %d writes (%s); values not stored",
+                refused,
+                len(batch),
+                failed,
+            )
+        self._refusing = refused > 0
         return num_written
