@@ -243,6 +243,9 @@ def test_maxmemory_eviction_leaves_misses_never_mixed_blocks(tmp_path: Path) -> 
             tier.put([TierBlock(key(i), e.name, data[i, e.name]) for e in entries])
             assert tier.flush(10)
         assert tier.stats.num_written_values == 3 * n
+        # NOTE: replies count against maxmemory too, so reads near the limit
+        # evict more; lift it to check against a fixed set of survivors.
+        client.config_set("maxmemory", 0)
         present = [
             all(client.exists(value_key("omnicache", "evict", key(i), e.name)) for e in entries)
             for i in range(n)
