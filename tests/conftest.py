@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
-from redis_server import RedisServer, find_server
+
+if TYPE_CHECKING:
+    from redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")
 def redis_server_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    # NOTE: imported here, so that modules without Redis tests run in an
+    # environment without redis-py (the tier modules then fail to import).
+    from redis_server import find_server
+
     found = find_server(tmp_path_factory.mktemp("redis"))
     if isinstance(found, str):
         if os.environ.get("CI") == "true":
