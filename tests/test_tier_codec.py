@@ -346,38 +346,36 @@ def test_a_value_sealed_under_another_key_is_that_key_only() -> None:
     assert decoded.rows is not None and torch.equal(decoded.rows, example_rows())
 
 
-# -- pack and seal -------------------------------------------------------------
+# -- encode copies once; decode against a prepared layout ----------------------
 
 
-def test_pack_copies_the_rows_and_leaves_the_checksum_zero() -> None:
+def test_encode_copies_the_rows() -> None:
     rows = example_rows()
-    buf, at = codec.pack(KEY, NAME, rows)
-    assert type(buf) is bytearray
-    assert at == EXAMPLE_CHECKSUM_AT
-    assert len(buf) == EXAMPLE_SIZE
-    assert buf[at : at + 16] == bytes(16)
-    assert bytes(buf[:at]) == example_value()[:at]
-    assert bytes(buf[at + 16 :]) == struct.pack("=6f", *VALUES)
-    # Changing the source after pack changes nothing packed.
+    value = codec.encode(KEY, NAME, rows)
+    assert type(value) is bytes
+    # Changing the source after encode changes nothing encoded.
     rows.fill_(7.0)
-    assert bytes(buf[at + 16 :]) == struct.pack("=6f", *VALUES)
-    codec.seal(buf, at)
-    assert bytes(buf) == example_value()
-    decoded = decode_example(bytes(buf))
-    assert decoded.rows is not None
-    assert torch.equal(decoded.rows, example_rows())
+    assert value == example_value()
+    assert value[EXAMPLE_ROWS_AT:] == struct.pack("=6f", *VALUES)
 
 
-def test_a_value_packed_but_not_sealed_is_a_checksum_rejection() -> None:
-    buf, _ = codec.pack(KEY, NAME, example_rows())
-    assert decode_example(bytes(buf)) == (None, Rejection.CHECKSUM)
+def test_a_layout_serves_every_key() -> None:
+    lay = codec.layout(NAME, torch.float32, (2, 3))
+    assert lay.nbytes == 24
+    for key in (KEY, b"\x02" * 32, b"\x03" * 16):
+        value = codec.encode(key, NAME, example_rows())
+        decoded = codec.decode_as(value, key, lay)
+        assert decoded.rows is not None and torch.equal(decoded.rows, example_rows())
+        assert codec.decode_as(value, b"\x09" * 32, lay) == (None, Rejection.MISMATCH)
 
 
-def test_seal_is_idempotent() -> None:
-    buf, at = codec.pack(KEY, NAME, example_rows())
-    codec.seal(buf, at)
-    codec.seal(buf, at)
-    assert bytes(buf) == example_value()
+def test_a_key_longer_than_the_format_allows() -> None:
+    with pytest.raises(ValueError, match="key: expected at most 255 bytes, found 256"):
+        codec.encode(b"k" * 256, NAME, example_rows())
+    assert codec.decode(example_value(), b"k" * 256, NAME, torch.float32, (2, 3)) == (
+        None,
+        Rejection.MISMATCH,
+    )
 
 
 def test_decoded_rows_view_the_value() -> None:
@@ -440,3 +438,35 @@ def test_memory_tier_checks_its_key_parts() -> None:
         MemoryTier(prefix="")
     with pytest.raises(TypeError, match=r"^namespace: expected str, found int$"):
         MemoryTier(namespace=1)  # type: ignore[arg-type]
+
+
+# -- encode_into: values built in reused buffers ----------------------------------
+
+
+def test_encode_into_a_used_buffer_equals_encode() -> None:
+    used = bytearray(b"\xff" * EXAMPLE_SIZE)
+    asked: list[int] = []
+
+    def buffer_for(size: int) -> bytearray:
+        asked.append(size)
+        return used
+
+    value = codec.encode_into(KEY, NAME, example_rows(), buffer_for)
+    assert value is used
+    assert asked == [EXAMPLE_SIZE]
+    assert bytes(value) == example_value()
+
+
+def test_a_value_built_unsealed_is_rejected_until_sealed() -> None:
+    value = codec.encode_into(KEY, NAME, example_rows(), bytearray, sealed=False)
+    assert value[EXAMPLE_CHECKSUM_AT:EXAMPLE_ROWS_AT] == bytes(16)
+    assert decode_example(bytes(value)) == (None, Rejection.CHECKSUM)
+    codec.seal(value)
+    assert bytes(value) == example_value()
+    codec.seal(value)
+    assert bytes(value) == example_value()
+
+
+def test_encode_into_a_buffer_of_the_wrong_size() -> None:
+    with pytest.raises(ValueError, match=f"buffer: expected {EXAMPLE_SIZE} bytes, found 3"):
+        codec.encode_into(KEY, NAME, example_rows(), lambda size: bytearray(3))

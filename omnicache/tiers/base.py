@@ -88,7 +88,9 @@ def decode_run(
     """
     if not entries:
         return []
-    shapes = [(block_size, *spec.row_shape) for spec in entries]
+    layouts = [
+        codec.layout(spec.name, spec.dtype, (block_size, *spec.row_shape)) for spec in entries
+    ]
     run: list[Mapping[str, torch.Tensor]] = []
     # NOTE: values come back as read-only bytes, which torch warns about once
     # per process; the rows are only read (and copied into the store).
@@ -100,7 +102,7 @@ def decode_run(
                 value = value_of(index, j)
                 if value is None:
                     return run
-                decoded = codec.decode(value, key, spec.name, spec.dtype, shapes[j])
+                decoded = codec.decode_as(value, key, layouts[j])
                 if decoded.rows is None:
                     assert decoded.rejection is not None
                     on_reject(index, spec, decoded.rejection)

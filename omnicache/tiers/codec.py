@@ -28,19 +28,21 @@ NOTE: the checksum finds damage, not forgery: anyone who can write to the tier
 can write a value that passes. Keep the tier's server as trusted as the
 engine's memory (see SECURITY.md).
 
-Encoding is split in two: `pack` copies the rows into a new buffer (on the
-caller's thread, so the store's block can be reused at once) and `seal`
-computes the checksum (on a writer thread, off the serving path).
+`encode` builds a value in one copy of the rows (the checksum is computed over
+them in place); `decode` checks a value against a `Layout` that a reader builds
+once per entry.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import xxhash
 
@@ -48,11 +50,14 @@ __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
     "Decoded",
+    "Layout",
     "Rejection",
     "decode",
+    "decode_as",
     "dtype_name",
     "encode",
-    "pack",
+    "encode_into",
+    "layout",
     "seal",
 ]
 
@@ -87,62 +92,116 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _header(key: bytes, name: str, dtype: torch.dtype, shape: Sequence[int], nbytes: int) -> bytes:
+class Layout(NamedTuple):
+    """What a reader expects of one entry's values, all but the block key (see `layout`)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    # Bytes of the rows.
+    nbytes: int
+    # The header's fields after the fixed part, split around the key.
+    before_key: bytes
+    after_key: bytes
+
+
+def layout(name: str, dtype: torch.dtype, shape: Sequence[int]) -> Layout:
+    """The layout of entry ``name``'s values: rows of ``dtype`` and ``shape``."""
+    dims = tuple(int(size) for size in shape)
     dname = dtype_name(dtype).encode("ascii")
     ename = name.encode("utf-8")
-    if len(key) > 255:
-        raise ValueError(f"key: expected at most 255 bytes, found {len(key)}")
     if len(ename) > 65535:
         raise ValueError(f"entry name: expected at most 65535 UTF-8 bytes, found {len(ename)}")
-    if len(shape) > 255:
-        raise ValueError(f"shape: expected at most 255 dims, found {len(shape)}")
+    if len(dims) > 255:
+        raise ValueError(f"shape: expected at most 255 dims, found {len(dims)}")
+    nbytes = math.prod(dims) * torch.empty((), dtype=dtype).element_size()
+    return Layout(name, dtype, dims, nbytes, dname + struct.pack(f"<{len(dims)}Q", *dims), ename)
+
+
+def _header(key: bytes, lay: Layout, nbytes: int) -> bytes:
+    if len(key) > 255:
+        raise ValueError(f"key: expected at most 255 bytes, found {len(key)}")
     fixed = _FIXED.pack(
         MAGIC,
         FORMAT_VERSION,
         _NATIVE_ORDER,
-        len(dname),
-        len(shape),
+        len(lay.before_key) - 8 * len(lay.shape),
+        len(lay.shape),
         len(key),
-        len(ename),
+        len(lay.after_key),
         nbytes,
     )
-    return b"".join((fixed, dname, struct.pack(f"<{len(shape)}Q", *shape), key, ename))
+    return b"".join((fixed, lay.before_key, key, lay.after_key))
 
 
-def pack(key: bytes, name: str, rows: torch.Tensor) -> tuple[bytearray, int]:
-    """Copies ``rows`` behind a header whose checksum is still zero.
+def encode(key: bytes, name: str, rows: torch.Tensor) -> bytes:
+    """The value of ``rows`` stored for entry ``name`` of block ``key``.
 
-    Returns:
-        The buffer, and the offset of its checksum (for `seal`).
+    The rows are copied once, into the value; later changes to ``rows`` do
+    not reach it.
     """
     src = rows.detach()
     if src.device.type != "cpu":
         src = src.cpu()
     src = src.contiguous()
-    nbytes = src.numel() * src.element_size()
-    header = _header(key, name, src.dtype, tuple(src.shape), nbytes)
-    at = len(header)
-    buf = bytearray(at + _CHECKSUM_SIZE + nbytes)
-    buf[:at] = header
-    if nbytes:
-        dst = torch.frombuffer(buf, dtype=torch.uint8, offset=at + _CHECKSUM_SIZE, count=nbytes)
-        dst.copy_(src.reshape(-1).view(torch.uint8))
-    return buf, at
+    lay = layout(name, src.dtype, tuple(src.shape))
+    header = _header(key, lay, lay.nbytes)
+    # NOTE: a uint8 view of the tensor's own memory (bf16 has no numpy dtype):
+    # the checksum reads the rows in place and the join copies them once.
+    data = src.reshape(-1).view(torch.uint8).numpy().data
+    h = xxhash.xxh3_128(header)
+    h.update(data)
+    return b"".join((header, h.digest(), data))
 
 
-def seal(buf: bytearray, checksum_at: int) -> None:
-    """Writes the checksum of a `pack`ed buffer in place."""
+def encode_into(
+    key: bytes,
+    name: str,
+    rows: torch.Tensor,
+    buffer_for: Callable[[int], bytearray],
+    *,
+    sealed: bool = True,
+) -> bytearray:
+    """`encode` into a buffer of the value's size that ``buffer_for(size)`` gives.
+
+    For writers that reuse their buffers: a fresh 128 KiB allocation costs a
+    page fault per 4 KiB, which made building values cost more than sending
+    them on loopback.
+
+    Args:
+        sealed: Compute the checksum now; with False it stays zero until
+            `seal` (a writer thread does it, off the caller's path).
+    """
+    src = rows.detach()
+    if src.device.type != "cpu":
+        src = src.cpu()
+    src = src.contiguous()
+    lay = layout(name, src.dtype, tuple(src.shape))
+    header = _header(key, lay, lay.nbytes)
+    rows_at = len(header) + _CHECKSUM_SIZE
+    buf = buffer_for(rows_at + lay.nbytes)
+    if len(buf) != rows_at + lay.nbytes:
+        raise ValueError(f"buffer: expected {rows_at + lay.nbytes} bytes, found {len(buf)}")
     view = memoryview(buf)
+    view[: len(header)] = header
+    data = src.reshape(-1).view(torch.uint8).numpy()
+    np.frombuffer(buf, dtype=np.uint8, count=lay.nbytes, offset=rows_at)[:] = data
+    if sealed:
+        seal(buf)
+    else:
+        view[len(header) : rows_at] = bytes(_CHECKSUM_SIZE)
+    return buf
+
+
+def seal(buf: bytearray) -> None:
+    """Writes the checksum of a value built by `encode_into` with ``sealed=False``."""
+    view = memoryview(buf)
+    _, _, _, dlen, ndim, slen, elen, _ = _FIXED.unpack_from(view)
+    checksum_at = _FIXED.size + dlen + 8 * ndim + slen + elen
+    rows_at = checksum_at + _CHECKSUM_SIZE
     h = xxhash.xxh3_128(view[:checksum_at])
-    h.update(view[checksum_at + _CHECKSUM_SIZE :])
-    view[checksum_at : checksum_at + _CHECKSUM_SIZE] = h.digest()
-
-
-def encode(key: bytes, name: str, rows: torch.Tensor) -> bytes:
-    """`pack` then `seal`: the whole value."""
-    buf, at = pack(key, name, rows)
-    seal(buf, at)
-    return bytes(buf)
+    h.update(view[rows_at:])
+    view[checksum_at:rows_at] = h.digest()
 
 
 def decode(
@@ -155,38 +214,39 @@ def decode(
     """The rows of ``value`` if it holds entry ``name`` of block ``key`` as expected.
 
     Returns:
-        The rows (a read-only-backed CPU tensor viewing ``value``: copy it
-        before ``value`` goes), or the `Rejection`.
+        The rows (a CPU tensor viewing ``value``: copy it before ``value``
+        goes), or the `Rejection`.
     """
+    return decode_as(value, key, layout(name, dtype, shape))
+
+
+def decode_as(value: bytes | bytearray | memoryview, key: bytes, lay: Layout) -> Decoded:
+    """`decode` against a prepared `Layout` (readers build one per entry)."""
     view = memoryview(value)
     if len(view) < _FIXED.size:
         return Decoded(None, Rejection.FORMAT)
     magic, version, order, dlen, ndim, slen, elen, nbytes = _FIXED.unpack_from(view)
     if magic != MAGIC or version != FORMAT_VERSION:
         return Decoded(None, Rejection.FORMAT)
-    at = _FIXED.size
-    checksum_at = at + dlen + 8 * ndim + slen + elen
+    checksum_at = _FIXED.size + dlen + 8 * ndim + slen + elen
     if len(view) != checksum_at + _CHECKSUM_SIZE + nbytes:
         return Decoded(None, Rejection.FORMAT)
-    expected = _header(key, name, dtype, shape, nbytes)
+    if len(key) > 255:
+        return Decoded(None, Rejection.MISMATCH)
+    expected = _header(key, lay, lay.nbytes)
     if (
         order != _NATIVE_ORDER
+        or nbytes != lay.nbytes
         or checksum_at != len(expected)
-        or view[at:checksum_at] != expected[at:]
+        or view[_FIXED.size : checksum_at] != expected[_FIXED.size :]
     ):
         return Decoded(None, Rejection.MISMATCH)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    numel = 1
-    for size in shape:
-        numel *= size
-    if nbytes != numel * itemsize:
-        return Decoded(None, Rejection.MISMATCH)
-    h = xxhash.xxh3_128(view[:checksum_at])
     rows_at = checksum_at + _CHECKSUM_SIZE
+    h = xxhash.xxh3_128(view[:checksum_at])
     h.update(view[rows_at:])
     if h.digest() != view[checksum_at:rows_at]:
         return Decoded(None, Rejection.CHECKSUM)
     if nbytes == 0:
-        return Decoded(torch.empty(tuple(shape), dtype=dtype), None)
+        return Decoded(torch.empty(lay.shape, dtype=lay.dtype), None)
     rows = torch.frombuffer(view, dtype=torch.uint8, offset=rows_at, count=nbytes)
-    return Decoded(rows.view(dtype).view(tuple(shape)), None)
+    return Decoded(rows.view(lay.dtype).view(lay.shape), None)

@@ -7,19 +7,21 @@ entry is one Redis string (see `omnicache.tiers.codec` for the value)::
     {prefix}:{namespace}:{block key hex}:{entry}     e.g.
     omnicache:qwen2.5-omni-7b:3f9c...e1:hidden_states
 
-Writes are behind: `put` copies the rows into a buffer and queues it; a writer
-thread seals the checksums and sends them in pipelines of up to
-``batch_bytes``. Reads go through: `get` asks for every entry of every key in
-one round trip and serves the leading blocks whose values all verify.
+Writes are behind: `put` copies each block's rows behind their header into a
+reused buffer and queues it; a writer thread computes the checksums and sends
+the values in pipelines of up to ``batch_bytes``, starting while `put` still
+copies the rest. Reads go
+through: `get` asks for every entry of every key in one round trip and serves
+the leading blocks whose values all verify.
 
 Every value stands alone (no index, no set of members), so Redis may expire
 (``ttl_s``) or evict (``maxmemory`` with an ``allkeys-*`` policy) any of them:
 a block missing one entry is a miss, never part of an answer.
 
 Faults. A command that fails (connection refused or reset, timed out, server
-loading after a restart) is a miss for a read and a counted loss for a write; the first
-fault of an outage logs a warning, and for ``retry_after_s`` the tier answers
-misses without asking and holds its writes. The next call after that tries
+loading after a restart) is a miss for a read and a counted loss for a write;
+the first fault of an outage logs a warning, and for ``retry_after_s`` the
+tier answers misses without asking and holds its writes. The next call after that tries
 again; redis-py opens new connections by itself, and the first success logs
 that the tier is back. A write the server answers with an error (out of
 memory under ``noeviction``, ...) is a counted loss with one warning, and no
@@ -123,8 +125,11 @@ class RedisTier:
         self._mget = getattr(client, "mget_nonatomic", None) or client.mget
         self._stats = TierStats()
         self._cv = threading.Condition()
-        # (value key, packed value, checksum offset), oldest first.
-        self._queue: deque[tuple[str, bytearray, int]] = deque()
+        # (value key, value), oldest first.
+        self._queue: deque[tuple[str, bytearray]] = deque()
+        # Sent values' buffers by size, for reuse (at most max_pending_bytes).
+        self._spare: dict[int, list[bytearray]] = {}
+        self._spare_bytes = 0
         self._in_flight = 0
         self._closing = False
         # While clock() < _down_until, the tier does not ask the server.
@@ -176,31 +181,33 @@ class RedisTier:
     # -- BlockTier ------------------------------------------------------------
 
     def put(self, blocks: Sequence[TierBlock]) -> None:
-        """Queues each block's rows for writing (see `BlockTier.put`); never raises."""
-        try:
-            packed = [
-                (
-                    value_key(self.prefix, self.namespace, b.key, b.name),
-                    *codec.pack(b.key, b.name, b.rows),
-                )
-                for b in blocks
-            ]
-        except Exception as exc:
-            with self._cv:
-                self._stats.num_put_values += len(blocks)
-                self._stats.num_dropped_values += len(blocks)
-            _log.warning(
-                "redis tier: could not encode %d blocks, not written: %r", len(blocks), exc
-            )
-            return
+        """Queues each block's rows for writing (see `BlockTier.put`); never raises.
+
+        The values are built here (one copy of the rows, into a reused
+        buffer) and handed to the writer a batch at a time, so it checksums
+        and sends the first batch while this call builds the next.
+        """
         num_dropped = 0
-        with self._cv:
-            stats = self._stats
-            for name, buf, at in packed:
+        num_queued = 0
+        for block in blocks:
+            try:
+                name = value_key(self.prefix, self.namespace, block.key, block.name)
+                value = codec.encode_into(
+                    block.key, block.name, block.rows, self._take_buffer, sealed=False
+                )
+            except Exception as exc:
+                with self._cv:
+                    self._stats.num_put_values += 1
+                    self._stats.num_dropped_values += 1
+                _log.warning("redis tier: could not encode a block, not written: %r", exc)
+                continue
+            size = len(value)
+            with self._cv:
+                stats = self._stats
                 stats.num_put_values += 1
-                size = len(buf)
                 if size > self.max_value_bytes:
                     stats.num_oversize_values += 1
+                    self._give_buffer(value)
                     if stats.num_oversize_values == 1:
                         _log.warning(
                             "redis tier: a value of %d bytes exceeds max_value_bytes=%d; "
@@ -212,9 +219,15 @@ class RedisTier:
                 if self._closing or stats.num_pending_bytes + size > self.max_pending_bytes:
                     stats.num_dropped_values += 1
                     num_dropped += 1
+                    self._give_buffer(value)
                     continue
-                self._queue.append((name, buf, at))
+                self._queue.append((name, value))
                 stats.num_pending_bytes += size
+                num_queued += size
+                if num_queued >= self.batch_bytes:
+                    num_queued = 0
+                    self._cv.notify_all()
+        with self._cv:
             self._cv.notify_all()
         if num_dropped:
             _log.warning(
@@ -355,14 +368,36 @@ class RedisTier:
                     return
             num_written = self._send(batch)
             with self._cv:
-                size = sum(len(buf) for _, buf, _ in batch)
+                size = sum(len(value) for _, value in batch)
                 self._stats.num_pending_bytes -= size
+                for _, value in batch:
+                    self._give_buffer(value)
                 self._in_flight = 0
                 self._stats.num_written_values += num_written
                 self._stats.num_write_errors += len(batch) - num_written
                 self._cv.notify_all()
 
-    def _next_batch(self) -> list[tuple[str, bytearray, int]] | None:
+    def _take_buffer(self, size: int) -> bytearray:
+        """A buffer of ``size`` bytes: a spare one of that size, else a new one."""
+        with self._cv:
+            spares = self._spare.get(size)
+            if spares:
+                self._spare_bytes -= size
+                return spares.pop()
+        return bytearray(size)
+
+    def _give_buffer(self, buf: bytearray) -> None:
+        """Keeps a sent value's buffer for reuse (holding the lock).
+
+        NOTE: spares never exceed max_pending_bytes, the memory the queue may
+        hold anyway; values of one entry all have one size, so they recycle.
+        """
+        size = len(buf)
+        if self._spare_bytes + size <= self.max_pending_bytes:
+            self._spare.setdefault(size, []).append(buf)
+            self._spare_bytes += size
+
+    def _next_batch(self) -> list[tuple[str, bytearray]] | None:
         """Waits for values to send (holding the lock); None: closed and done."""
         while True:
             if self._closing and (not self._queue or self._clock() < self._down_until):
@@ -392,13 +427,13 @@ class RedisTier:
             self._in_flight = len(batch)
             return batch
 
-    def _send(self, batch: list[tuple[str, bytearray, int]]) -> int:
+    def _send(self, batch: list[tuple[str, bytearray]]) -> int:
         """Writes a batch in one pipeline; returns how many values were stored."""
         try:
             pipe = self.client.pipeline(transaction=False)
-            for name, buf, at in batch:
-                codec.seal(buf, at)
-                pipe.set(name, memoryview(buf), ex=self.ttl_s)
+            for name, value in batch:
+                codec.seal(value)
+                pipe.set(name, memoryview(value), ex=self.ttl_s)
             # NOTE: a refused command (OOM under maxmemory noeviction, ...)
             # comes back as its reply; a lost connection raises.
             replies = pipe.execute(raise_on_error=False)
