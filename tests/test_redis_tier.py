@@ -524,3 +524,27 @@ def test_a_cluster_spreads_blocks_over_its_nodes(
         assert (stats.num_read_errors, stats.num_faults, stats.num_rejected_values) == (1, 1, 0)
     finally:
         tier.close(2)
+
+
+def test_a_long_read_is_cut_into_mgets_that_stop_at_a_miss(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    block_bytes = BS * 8 * 4
+    tier = RedisTier.from_url(
+        redis_server.url, namespace=namespace, read_batch_bytes=3 * block_bytes
+    )
+    client = redis_server.client()
+    try:
+        put(tier, list(range(10)))
+        assert tier.flush(5)
+        client.delete(value_key("omnicache", namespace, key(7), HIDDEN.name))
+        before = int(client.info("stats")["total_commands_processed"])
+        # MGETs of 3 blocks: 0-2, 3-5, then 6-8 comes back short at 7.
+        assert hits(tier, list(range(10))) == list(range(7))
+        after = int(client.info("stats")["total_commands_processed"])
+        # Three MGETs, plus the INFO that read the first count.
+        assert after - before == 4
+        stats = tier.stats
+        assert (stats.num_get_calls, stats.num_get_blocks, stats.num_hit_blocks) == (1, 10, 7)
+    finally:
+        tier.close(2)

@@ -10,9 +10,9 @@ entry is one Redis string (see `omnicache.tiers.codec` for the value)::
 Writes are behind: `put` copies each block's rows behind their header into a
 reused buffer and queues it; a writer thread computes the checksums and sends
 the values in pipelines of up to ``batch_bytes``, starting while `put` still
-copies the rest. Reads go
-through: `get` asks for every entry of every key in one round trip and serves
-the leading blocks whose values all verify.
+copies the rest. Reads go through: `get` asks for every entry of a run of
+keys in one MGET (of about ``read_batch_bytes``, the next one only if this one
+came back whole) and serves the leading blocks whose values all verify.
 
 Every value stands alone (no index, no set of members), so Redis may expire
 (``ttl_s``) or evict (``maxmemory`` with an ``allkeys-*`` policy) any of them:
@@ -32,6 +32,7 @@ did not verify.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -77,6 +78,7 @@ class RedisTier:
         max_pending_bytes: Cap on the bytes queued for writing; beyond it a
             value is counted in ``num_dropped_values`` and not queued.
         batch_bytes: Bytes per write pipeline.
+        read_batch_bytes: Bytes of rows per MGET of a read.
         retry_after_s: After a fault, how long reads answer misses without
             asking and writes wait.
         clock: Monotonic seconds (tests pass a fake one).
@@ -92,6 +94,7 @@ class RedisTier:
         max_value_bytes: int = 16 * MiB,
         max_pending_bytes: int = 256 * MiB,
         batch_bytes: int = 8 * MiB,
+        read_batch_bytes: int = 32 * MiB,
         retry_after_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -108,6 +111,7 @@ class RedisTier:
             ("max_value_bytes", max_value_bytes),
             ("max_pending_bytes", max_pending_bytes),
             ("batch_bytes", batch_bytes),
+            ("read_batch_bytes", read_batch_bytes),
         ):
             if type(value) is not int or value < 1:
                 raise ValueError(f"{what}: expected an int >= 1, found {value!r}")
@@ -118,6 +122,7 @@ class RedisTier:
         self.max_value_bytes = max_value_bytes
         self.max_pending_bytes = max_pending_bytes
         self.batch_bytes = batch_bytes
+        self.read_batch_bytes = read_batch_bytes
         self.retry_after_s = float(retry_after_s)
         self._clock = clock
         # NOTE: plain Redis answers MGET for any keys; a cluster only for keys
@@ -240,7 +245,12 @@ class RedisTier:
     def get(
         self, keys: Sequence[BlockHash], entries: Sequence[EntrySpec], block_size: int
     ) -> list[Mapping[str, torch.Tensor]]:
-        """The leading blocks of ``keys`` held whole (see `BlockTier.get`); never raises."""
+        """The leading blocks of ``keys`` held whole (see `BlockTier.get`); never raises.
+
+        Keys are asked for in MGETs of about ``read_batch_bytes`` of rows,
+        one after another, until one comes back short: a long prompt neither
+        builds one huge reply in the server nor fetches blocks past a miss.
+        """
         with self._cv:
             self._stats.num_get_calls += 1
             self._stats.num_get_blocks += len(keys)
@@ -249,6 +259,26 @@ class RedisTier:
                 return []
         if not keys or not entries:
             return []
+        block_bytes = sum(
+            block_size * math.prod(e.row_shape) * torch.empty((), dtype=e.dtype).element_size()
+            for e in entries
+        )
+        per_call = max(1, self.read_batch_bytes // max(1, block_bytes))
+        run: list[Mapping[str, torch.Tensor]] = []
+        for start in range(0, len(keys), per_call):
+            chunk = keys[start : start + per_call]
+            part = self._get_run(chunk, entries, block_size)
+            run += part
+            if len(part) < len(chunk):
+                break
+        with self._cv:
+            self._stats.num_hit_blocks += len(run)
+        return run
+
+    def _get_run(
+        self, keys: Sequence[BlockHash], entries: Sequence[EntrySpec], block_size: int
+    ) -> list[Mapping[str, torch.Tensor]]:
+        """One MGET: the leading blocks of ``keys`` that verify ([] on a fault)."""
         names = [value_key(self.prefix, self.namespace, k, e.name) for k in keys for e in entries]
         try:
             values = self._mget(names)
@@ -281,15 +311,15 @@ class RedisTier:
             with self._cv:
                 self._stats.num_read_errors += 1
             return []
-        with self._cv:
-            self._stats.num_hit_blocks += len(run)
-            self._stats.num_rejected_values += len(rejected)
-        for index, spec, why in rejected:
-            _log.warning(
-                "redis tier: value %s rejected (%s): served as a miss",
-                value_key(self.prefix, self.namespace, keys[index], spec.name),
-                why.value,
-            )
+        if rejected:
+            with self._cv:
+                self._stats.num_rejected_values += len(rejected)
+            for index, spec, why in rejected:
+                _log.warning(
+                    "redis tier: value %s rejected (%s): served as a miss",
+                    value_key(self.prefix, self.namespace, keys[index], spec.name),
+                    why.value,
+                )
         return run
 
     # -- life -----------------------------------------------------------------
