@@ -27,6 +27,7 @@ Exit status:
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 import time
@@ -490,8 +491,22 @@ def _hash(args: argparse.Namespace) -> int:
 # -- entry point ------------------------------------------------------------------
 
 
+def _warnings_to_stderr() -> None:
+    """Shows the library's warnings (a Redis tier that is down, ...) on stderr.
+
+    Only when the process configured no logging of its own.
+    """
+    log = logging.getLogger("omnicache")
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("omnicache: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.WARNING)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status (see the module docstring)."""
+    _warnings_to_stderr()
     parser = _build_parser()
     try:
         args = parser.parse_args(argv)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,11 +23,14 @@ import redis
 import torch
 from redis_server import RedisServer, start_cluster
 
+from omnicache import cli
 from omnicache.block_hash import BlockHash
+from omnicache.model import Processor
 from omnicache.store import EntrySpec, TensorStore, TierBlock
 from omnicache.tiers import codec
 from omnicache.tiers.base import value_key
 from omnicache.tiers.redis import RedisTier
+from omnicache.workloads import synthetic_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 BS = 4
@@ -430,6 +435,7 @@ from omnicache.cli import QUICK_MODEL, QUICK_TRACE
 from omnicache.model import CacheConfig, Processor, ServingEngine, TinyOmniModel, run_cached
 from omnicache.tiers.redis import RedisTier
 from omnicache.workloads import synthetic_trace
+from omnicache.workloads import synthetic_trace
 
 url, namespace = sys.argv[1], sys.argv[2]
 trace = synthetic_trace(QUICK_TRACE, seed=3)
@@ -548,3 +554,76 @@ def test_a_long_read_is_cut_into_mgets_that_stop_at_a_miss(
         assert (stats.num_get_calls, stats.num_get_blocks, stats.num_hit_blocks) == (1, 10, 7)
     finally:
         tier.close(2)
+
+
+# -- the command line ----------------------------------------------------------------------
+
+_QUICK = ["demo", "--quick", "--requests", "10"]
+
+
+def _cli_row(out: str, name: str) -> int:
+    match = re.search(rf"^  {re.escape(name)}\s+([\d,]+)", out, re.MULTILINE)
+    assert match is not None, f"no row {name!r} in:\n{out}"
+    return int(match.group(1).replace(",", ""))
+
+
+def test_the_cli_shares_blocks_between_runs_through_redis(
+    redis_server: RedisServer, namespace: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [*_QUICK, "--redis", redis_server.url, "--redis-namespace", namespace]
+    assert cli.main(argv) == cli.EXIT_OK
+    first = capsys.readouterr().out
+    assert cli.main(argv) == cli.EXIT_OK
+    second = capsys.readouterr().out
+    trace = synthetic_trace(replace(cli.QUICK_TRACE, num_requests=10), seed=0)
+    processor = Processor(cli.QUICK_MODEL)
+    prompts = [processor.annotate(processor.tokenize(r.messages)) for r in trace.requests]
+    cap = sum((len(p) - 1) // 16 * 16 for p in prompts)
+    for out in (first, second):
+        assert _cli_row(out, "mismatches") == _cli_row(out, "stale reads") == 0
+        assert f"redis tier {redis_server.url} (namespace {namespace}):" in out
+        assert "values rejected 0, faults 0 (read errors 0, reconnects 0)" in out
+    assert _cli_row(first, "hit tokens from the tier") == 0
+    assert _cli_row(second, "hit tokens") == cap
+    # Local hits are the same in both runs (each pool holds the whole trace).
+    assert _cli_row(second, "hit tokens from the tier") == cap - _cli_row(first, "hit tokens")
+
+
+def test_the_cli_with_redis_down_serves_every_request(
+    namespace: str, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    argv = [*_QUICK, "--redis", "redis://127.0.0.1:1/0", "--redis-namespace", namespace]
+    with caplog.at_level(logging.WARNING, logger="omnicache.tiers.redis"):
+        assert cli.main(argv) == cli.EXIT_OK
+    captured = capsys.readouterr()
+    assert _cli_row(captured.out, "mismatches") == 0
+    assert _cli_row(captured.out, "hit tokens from the tier") == 0
+    assert "blocks found 0 of" in captured.out
+    assert "values written 0, lost" in captured.out
+    assert "redis tier: read failed (ConnectionError: " in caplog.text
+
+
+def test_the_cli_prints_the_tiers_warnings_on_stderr() -> None:
+    """In a process of its own, without logging configured."""
+    result = subprocess.run(
+        [sys.executable, "-m", "omnicache", *_QUICK, "--redis", "redis://127.0.0.1:1/0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == cli.EXIT_OK, result.stderr
+    assert result.stderr.startswith("omnicache: redis tier: read failed (ConnectionError: ")
+
+
+def test_the_cli_refuses_a_bad_redis_url(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([*_QUICK, "--redis", "not-a-url"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "omnicache: error: --redis: Redis URL must specify one of the following schemes" in err
+    assert cli.main([*_QUICK, "--redis", "redis://127.0.0.1:1/0", "--redis-namespace", "a:b"]) == (
+        cli.EXIT_USAGE
+    )
+    assert "omnicache: error: --redis: namespace: expected non-empty printable ASCII" in (
+        capsys.readouterr().err
+    )
