@@ -37,6 +37,8 @@ from omnicache.integrations.vllm import (
     multi_modal_uuids,
 )
 from omnicache.store import StaleBlockError, TensorStore
+from omnicache.tiers.base import value_key
+from omnicache.tiers.memory import MemoryTier
 
 
 def _vllm_missing() -> str | None:
@@ -120,6 +122,7 @@ class Harness:
         *,
         deferred_codes: bool = False,
         require_stored_outputs: bool = True,
+        tier: MemoryTier | None = None,
     ) -> None:
         spec = FullAttentionSpec(
             block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float16
@@ -138,7 +141,7 @@ class Harness:
             enable_kv_cache_events=True,
         )
         self.store = TensorStore(
-            num_blocks, BLOCK_SIZE, hidden_size=HIDDEN, hidden_dtype=torch.float32
+            num_blocks, BLOCK_SIZE, hidden_size=HIDDEN, hidden_dtype=torch.float32, tier=tier
         )
         self.store.register("codes", 2, torch.int64, deferred=deferred_codes)
         self.wrapper = OmniKVCacheManager(
@@ -806,6 +809,40 @@ def test_deferred_outputs_committed_on_finish_dropped_on_abort() -> None:
     # Deferred rows arrive with the step but come back only once committed.
     merged = h.compute(later)
     assert torch.equal(merged.tensors["codes"]["c"], recompute(later)["codes"])
+
+
+@needs_vllm
+def test_a_tier_takes_blocks_as_they_are_stamped_and_deferred_ones_on_commit() -> None:
+    tier = MemoryTier(namespace="vllm")
+    h = Harness(deferred_codes=True, tier=tier)
+    first = h.request("a", image_prompt(), [image_feature(RED_HEX, 16, 32)])
+    h.admit(first)
+    h.compute(first)
+    keys = first.block_hashes
+    assert len(keys) == 3
+
+    def names(entry: str) -> set[str]:
+        return {value_key("omnicache", "vllm", k, entry) for k in keys}
+
+    # Hidden states go to the tier as the step stamps their blocks; the
+    # deferred codes only once the finished request commits them.
+    assert set(tier.values) == names("hidden_states")
+    h.finish(first)
+    assert set(tier.values) == names("hidden_states") | names("codes")
+    rows = recompute(first)
+    found = tier.get(keys, list(h.store.entries.values()), BLOCK_SIZE)
+    assert len(found) == 3
+    for i, got in enumerate(found):
+        span = slice(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE)
+        assert torch.equal(got["hidden_states"], rows["hidden_states"][span])
+        assert torch.equal(got["codes"], rows["codes"][span])
+    # An aborted request's staged codes never reach the tier.
+    blue = h.request("b", image_prompt(), [image_feature(BLUE_HEX, 16, 32)])
+    h.admit(blue)
+    h.compute(blue)
+    h.finish(blue, RequestStatus.FINISHED_ABORTED)
+    assert {name for name in tier.values if name.endswith(":codes")} == names("codes")
+    assert tier.stats.num_put_values == 3 + 3 + 2
 
 
 @needs_vllm
