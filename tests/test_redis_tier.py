@@ -627,3 +627,27 @@ def test_the_cli_refuses_a_bad_redis_url(capsys: pytest.CaptureFixture[str]) -> 
     assert "omnicache: error: --redis: namespace: expected non-empty printable ASCII" in (
         capsys.readouterr().err
     )
+
+
+def test_a_process_that_exits_without_close_still_writes_its_queue(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    code = (
+        "import sys, torch\n"
+        "from omnicache.store import TierBlock\n"
+        "from omnicache.tiers.redis import RedisTier\n"
+        "tier = RedisTier.from_url(sys.argv[1], namespace=sys.argv[2])\n"
+        "tier.put([TierBlock(bytes([i]) * 32, 'h', torch.full((4, 8), float(i)))"
+        " for i in range(50)])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, redis_server.url, namespace],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    names = [value_key("omnicache", namespace, bytes([i]) * 32, "h") for i in range(50)]
+    assert redis_server.client().exists(*names) == 50

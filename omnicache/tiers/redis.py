@@ -31,10 +31,13 @@ did not verify.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import logging
 import math
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -145,6 +148,10 @@ class RedisTier:
         self._writer = threading.Thread(target=self._write_loop, name="omnicache-redis-writer")
         self._writer.daemon = True
         self._writer.start()
+        # NOTE: a process that exits without close() still writes what is
+        # queued (up to 5 s), rather than losing it uncounted with the thread.
+        self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
 
     @classmethod
     def from_url(
@@ -353,6 +360,7 @@ class RedisTier:
         ``num_dropped_values``. Later `put` calls drop (and count) their values;
         `get` keeps working.
         """
+        atexit.unregister(self._at_exit)
         self.flush(timeout_s)
         with self._cv:
             self._closing = True
@@ -485,3 +493,9 @@ class RedisTier:
             )
         self._refusing = refused > 0
         return num_written
+
+
+def _close_at_exit(ref: weakref.ref[RedisTier]) -> None:
+    tier = ref()
+    if tier is not None:
+        tier.close(timeout_s=5.0)
