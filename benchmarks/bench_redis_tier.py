@@ -50,7 +50,10 @@ existing server is used; only the benchmark's own keys (a namespace unique to
 this process) are written and deleted. Usage:
 
     python benchmarks/bench_redis_tier.py [--blocks N] [--hidden H]
-        [--block-size B] [--reps R] [--url redis://host:port/db] [--check]
+        [--block-size B] [--reps R] [--url redis://host:port/db] [--auth] [--check]
+
+``--auth`` gives the tier an ``auth_key``: values carry a keyed BLAKE3 MAC in
+place of the xxh3_128 checksum (the raw rows then SET the same keyed values).
 """
 
 from __future__ import annotations
@@ -166,6 +169,10 @@ def batches(values: Sequence[bytes], batch_bytes: int) -> list[list[int]]:
     return out
 
 
+# A fixed key for --auth: the benchmark measures the MAC's cost, not its secrecy.
+AUTH_KEY = bytes(range(32))
+
+
 def run(args: argparse.Namespace, url: str) -> int:
     """Measures every row against the server at ``url`` and prints the table.
 
@@ -180,6 +187,8 @@ def run(args: argparse.Namespace, url: str) -> int:
     tier_kwargs: dict[str, Any] = {"max_pending_bytes": max(256 * 2**20, 2 * payload)}
     if args.batch_bytes:
         tier_kwargs["batch_bytes"] = args.batch_bytes
+    if args.auth:
+        tier_kwargs["auth_key"] = AUTH_KEY
     tier = RedisTier.from_url(
         url, namespace=namespace, socket_timeout_s=SOCKET_TIMEOUT_S, **tier_kwargs
     )
@@ -229,7 +238,11 @@ def measure(
     src = torch.randn(num * bs, hidden, generator=gen).to(dtype)
     block_rows = src.view(num, bs, hidden)
     block_ids = list(range(num))
-    values = [codec.encode(key, HIDDEN_STATES, block_rows[i]) for i, key in enumerate(keys)]
+    auth_key = AUTH_KEY if args.auth else None
+    values = [
+        codec.encode(key, HIDDEN_STATES, block_rows[i], auth_key=auth_key)
+        for i, key in enumerate(keys)
+    ]
     raw_batches = [
         [(names[i], values[i]) for i in batch] for batch in batches(values, tier.batch_bytes)
     ]
@@ -400,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--url", default=None, help="an existing server (default: start a private one)"
+    )
+    parser.add_argument(
+        "--auth", action="store_true", help="the tier signs and checks values with an auth_key"
     )
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     args = parser.parse_args(argv)

@@ -11,6 +11,7 @@ import struct
 import sys
 from collections.abc import Callable
 
+import blake3
 import pytest
 import torch
 import xxhash
@@ -470,3 +471,72 @@ def test_a_value_built_unsealed_is_rejected_until_sealed() -> None:
 def test_encode_into_a_buffer_of_the_wrong_size() -> None:
     with pytest.raises(ValueError, match=f"buffer: expected {EXAMPLE_SIZE} bytes, found 3"):
         codec.encode_into(KEY, NAME, example_rows(), lambda size: bytearray(3))
+
+
+# -- keyed values: a MAC in place of the checksum ------------------------------
+
+AUTH_KEY = bytes(range(32))
+
+
+def keyed_example() -> bytes:
+    return codec.encode(KEY, NAME, example_rows(), auth_key=AUTH_KEY)
+
+
+def test_a_keyed_value_is_the_layout_with_its_magic_and_a_keyed_blake3_mac() -> None:
+    rows = struct.pack("=6f", *VALUES)
+    header = b"OCTK" + hand_header(KEY, NAME, "float32", (2, 3), 24)[4:]
+    mac = blake3.blake3(header + rows, key=AUTH_KEY).digest(length=16)
+    assert keyed_example() == header + mac + rows
+    out = codec.encode_into(KEY, NAME, example_rows(), bytearray, sealed=False, auth_key=AUTH_KEY)
+    codec.seal(out, auth_key=AUTH_KEY)
+    assert bytes(out) == keyed_example()
+
+
+def test_a_keyed_value_is_served_only_under_its_key() -> None:
+    decoded = codec.decode(keyed_example(), KEY, NAME, torch.float32, (2, 3), auth_key=AUTH_KEY)
+    assert decoded.rows is not None and torch.equal(decoded.rows, example_rows())
+    # Without a key, or with another one: not served.
+    assert decode_example(keyed_example()) == (None, Rejection.MISMATCH)
+    other = bytes(32)
+    assert codec.decode(keyed_example(), KEY, NAME, torch.float32, (2, 3), auth_key=other) == (
+        None,
+        Rejection.CHECKSUM,
+    )
+
+
+def test_a_keyed_reader_takes_no_plain_or_forged_value() -> None:
+    def keyed_read(value: bytes) -> codec.Decoded:
+        return codec.decode(value, KEY, NAME, torch.float32, (2, 3), auth_key=AUTH_KEY)
+
+    assert keyed_read(example_value()) == (None, Rejection.MISMATCH)
+    # A writer without the key relabels a plain value, or signs with its own key.
+    relabelled = b"OCTK" + example_value()[4:]
+    assert keyed_read(relabelled) == (None, Rejection.CHECKSUM)
+    forged = codec.encode(KEY, NAME, example_rows() * 2, auth_key=bytes(32))
+    assert keyed_read(forged) == (None, Rejection.CHECKSUM)
+    assert keyed_read(flip(keyed_example(), EXAMPLE_ROWS_AT)) == (None, Rejection.CHECKSUM)
+
+
+def test_seal_refuses_a_key_that_does_not_fit_the_value() -> None:
+    plain = codec.encode_into(KEY, NAME, example_rows(), bytearray, sealed=False)
+    with pytest.raises(ValueError, match="auth_key: expected none for a value built with magic"):
+        codec.seal(plain, auth_key=AUTH_KEY)
+    keyed = codec.encode_into(KEY, NAME, example_rows(), bytearray, sealed=False, auth_key=AUTH_KEY)
+    with pytest.raises(ValueError, match="auth_key: expected the key for a value built with"):
+        codec.seal(keyed)
+
+
+@pytest.mark.parametrize(
+    ("auth_key", "error", "message"),
+    [
+        (b"k" * 31, ValueError, "auth_key: expected 32 bytes (e.g. hashlib.sha256(secret)"
+         ".digest()), found 31"),
+        ("k" * 32, TypeError, "auth_key: expected bytes or None, found str"),
+    ],
+)  # fmt: skip
+def test_bad_auth_keys(auth_key: object, error: type[Exception], message: str) -> None:
+    with pytest.raises(error) as info:
+        codec.check_auth_key(auth_key)
+    assert str(info.value) == message
+    with pytest.raises(error):
+        MemoryTier(auth_key=auth_key)  # type: ignore[arg-type]

@@ -328,3 +328,57 @@ def test_counters_add_up_over_many_calls(harness: Harness) -> None:
     stats = harness.tier.stats
     assert (stats.num_put_values, stats.num_written_values) == (24, 24)
     assert (stats.num_get_calls, stats.num_get_blocks, stats.num_hit_blocks) == (6, 28, 27)
+
+
+# -- keyed tiers -------------------------------------------------------------------------
+
+AUTH_KEY = bytes(range(32))
+
+
+@pytest.fixture(params=["memory", "redis"])
+def keyed(request: pytest.FixtureRequest) -> Iterator[Harness]:
+    yield from _make(request.param, request, auth_key=AUTH_KEY)
+
+
+def _same_namespace(harness: Harness, request: pytest.FixtureRequest, **kwargs: Any) -> Any:
+    """Another tier over the same values (the same dict, or the same server and namespace)."""
+    if harness.server is None:
+        other = MemoryTier(namespace=harness.tier.namespace, **kwargs)
+        other.values = harness.tier.values
+        return other
+    return RedisTier.from_url(harness.server.url, namespace=harness.tier.namespace, **kwargs)
+
+
+def test_a_keyed_tier_round_trips(keyed: Harness) -> None:
+    keyed.tier.put(blocks([1, 2]))
+    keyed.settle()
+    assert_blocks(keyed.tier.get([key(1), key(2)], ENTRIES, BS), [1, 2])
+    value = keyed.raw_get(keyed.name(1, "hidden_states"))
+    assert value is not None and value[:4] == b"OCTK"
+
+
+def test_a_writer_without_the_key_cannot_plant_rows(
+    keyed: Harness, request: pytest.FixtureRequest
+) -> None:
+    keyed.tier.put(blocks([1]))
+    keyed.settle()
+    # Someone with write access but no key stores rows for block 2, and
+    # overwrites block 1 with rows signed by another key.
+    planter = _same_namespace(keyed, request)
+    planter.put(blocks([2]))
+    forger = _same_namespace(keyed, request, auth_key=bytes(32))
+    forger.put([TierBlock(key(1), HIDDEN.name, rows_for(HIDDEN, 9))])
+    for other in (planter, forger):
+        if isinstance(other, RedisTier):
+            other.close(5)
+    assert keyed.tier.get([key(1)], ENTRIES, BS) == []
+    assert keyed.tier.get([key(2)], ENTRIES, BS) == []
+    assert keyed.tier.stats.num_rejected_values == 2
+    # And a reader without the key serves none of the keyed values.
+    keyed.tier.put(blocks([3]))
+    keyed.settle()
+    reader = _same_namespace(keyed, request)
+    assert reader.get([key(3)], ENTRIES, BS) == []
+    assert reader.stats.num_rejected_values == 1
+    if isinstance(reader, RedisTier):
+        reader.close(5)

@@ -76,6 +76,7 @@ def decode_run(
     block_size: int,
     value_of: Callable[[int, int], bytes | bytearray | memoryview | None],
     on_reject: Callable[[int, EntrySpec, codec.Rejection], None],
+    auth_key: bytes | None = None,
 ) -> list[Mapping[str, torch.Tensor]]:
     """The leading blocks whose every entry decodes; stops at the first that does not.
 
@@ -85,6 +86,8 @@ def decode_run(
         block_size: Rows per block.
         value_of: ``(block index, entry index)`` -> the stored value, or None.
         on_reject: Called for a value found but not served.
+        auth_key: Serve only values whose MAC holds under this key (None:
+            only values with a plain checksum).
     """
     if not entries:
         return []
@@ -102,7 +105,7 @@ def decode_run(
                 value = value_of(index, j)
                 if value is None:
                     return run
-                decoded = codec.decode_as(value, key, layouts[j])
+                decoded = codec.decode_as(value, key, layouts[j], auth_key=auth_key)
                 if decoded.rows is None:
                     assert decoded.rejection is not None
                     on_reject(index, spec, decoded.rejection)

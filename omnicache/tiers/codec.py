@@ -3,7 +3,7 @@
 Layout (integers little-endian)::
 
     offset  size  field
-    0       4     magic b"OCTB"
+    0       4     magic: b"OCTB" (checksum) or b"OCTK" (keyed MAC)
     4       2     format version (1)
     6       1     byte order of the rows: 0 little, 1 big
     7       1     d: length of the dtype name
@@ -15,7 +15,8 @@ Layout (integers little-endian)::
     ..      8*r   shape (block_size, *row_shape), u64 each
     ..      s     stamp: the block key the rows were stored under
     ..      e     entry name
-    ..      16    checksum: xxh3_128 of every byte above, then of the rows
+    ..      16    check: of every byte above, then of the rows: xxh3_128
+                  (b"OCTB"), or the first 16 bytes of keyed BLAKE3 (b"OCTK")
     ..      p     the rows, C order
 
 A value is served only when every field matches what the reader expects (the
@@ -26,7 +27,10 @@ write, another format) useless rather than wrong.
 
 NOTE: the checksum finds damage, not forgery: anyone who can write to the tier
 can write a value that passes. Keep the tier's server as trusted as the
-engine's memory (see SECURITY.md).
+engine's memory (see SECURITY.md), or give writers and readers a shared
+32-byte ``auth_key``: values then carry a keyed BLAKE3 MAC instead, which no
+one without the key can forge, and a reader with a key accepts no value
+without one (and the reverse).
 
 `encode` builds a value in one copy of the rows (the checksum is computed over
 them in place); `decode` checks a value against a `Layout` that a reader builds
@@ -35,6 +39,7 @@ once per entry.
 
 from __future__ import annotations
 
+import hmac
 import math
 import struct
 import sys
@@ -42,6 +47,7 @@ from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import NamedTuple
 
+import blake3
 import numpy as np
 import torch
 import xxhash
@@ -49,9 +55,11 @@ import xxhash
 __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
+    "MAGIC_KEYED",
     "Decoded",
     "Layout",
     "Rejection",
+    "check_auth_key",
     "decode",
     "decode_as",
     "dtype_name",
@@ -62,6 +70,7 @@ __all__ = [
 ]
 
 MAGIC = b"OCTB"
+MAGIC_KEYED = b"OCTK"
 FORMAT_VERSION = 1
 
 _FIXED = struct.Struct("<4sHBBBBHQ")
@@ -118,11 +127,38 @@ def layout(name: str, dtype: torch.dtype, shape: Sequence[int]) -> Layout:
     return Layout(name, dtype, dims, nbytes, dname + struct.pack(f"<{len(dims)}Q", *dims), ename)
 
 
-def _header(key: bytes, lay: Layout, nbytes: int) -> bytes:
+def check_auth_key(auth_key: object) -> bytes | None:
+    """An ``auth_key``: None, or 32 bytes (a secret's SHA-256, say)."""
+    if auth_key is None:
+        return None
+    if not isinstance(auth_key, bytes):
+        raise TypeError(f"auth_key: expected bytes or None, found {type(auth_key).__name__}")
+    if len(auth_key) != 32:
+        raise ValueError(
+            f"auth_key: expected 32 bytes (e.g. hashlib.sha256(secret).digest()), "
+            f"found {len(auth_key)}"
+        )
+    return auth_key
+
+
+def _check(auth_key: bytes | None, *parts: bytes | memoryview) -> bytes:
+    """The 16-byte check of a value's parts: xxh3_128, or keyed BLAKE3 with a key."""
+    if auth_key is None:
+        h = xxhash.xxh3_128()
+        for part in parts:
+            h.update(part)
+        return h.digest()
+    mac = blake3.blake3(key=auth_key)
+    for part in parts:
+        mac.update(part)
+    return mac.digest(length=_CHECKSUM_SIZE)
+
+
+def _header(key: bytes, lay: Layout, nbytes: int, auth_key: bytes | None) -> bytes:
     if len(key) > 255:
         raise ValueError(f"key: expected at most 255 bytes, found {len(key)}")
     fixed = _FIXED.pack(
-        MAGIC,
+        MAGIC if auth_key is None else MAGIC_KEYED,
         FORMAT_VERSION,
         _NATIVE_ORDER,
         len(lay.before_key) - 8 * len(lay.shape),
@@ -134,24 +170,22 @@ def _header(key: bytes, lay: Layout, nbytes: int) -> bytes:
     return b"".join((fixed, lay.before_key, key, lay.after_key))
 
 
-def encode(key: bytes, name: str, rows: torch.Tensor) -> bytes:
+def encode(key: bytes, name: str, rows: torch.Tensor, *, auth_key: bytes | None = None) -> bytes:
     """The value of ``rows`` stored for entry ``name`` of block ``key``.
 
     The rows are copied once, into the value; later changes to ``rows`` do
-    not reach it.
+    not reach it. With ``auth_key`` the value carries a keyed MAC.
     """
     src = rows.detach()
     if src.device.type != "cpu":
         src = src.cpu()
     src = src.contiguous()
     lay = layout(name, src.dtype, tuple(src.shape))
-    header = _header(key, lay, lay.nbytes)
+    header = _header(key, lay, lay.nbytes, auth_key)
     # NOTE: a uint8 view of the tensor's own memory (bf16 has no numpy dtype):
-    # the checksum reads the rows in place and the join copies them once.
+    # the check reads the rows in place and the join copies them once.
     data = src.reshape(-1).view(torch.uint8).numpy().data
-    h = xxhash.xxh3_128(header)
-    h.update(data)
-    return b"".join((header, h.digest(), data))
+    return b"".join((header, _check(auth_key, header, data), data))
 
 
 def encode_into(
@@ -161,6 +195,7 @@ def encode_into(
     buffer_for: Callable[[int], bytearray],
     *,
     sealed: bool = True,
+    auth_key: bytes | None = None,
 ) -> bytearray:
     """`encode` into a buffer of the value's size that ``buffer_for(size)`` gives.
 
@@ -169,15 +204,16 @@ def encode_into(
     them on loopback.
 
     Args:
-        sealed: Compute the checksum now; with False it stays zero until
+        sealed: Compute the check now; with False it stays zero until
             `seal` (a writer thread does it, off the caller's path).
+        auth_key: Make the check a keyed MAC (`seal` needs the same key).
     """
     src = rows.detach()
     if src.device.type != "cpu":
         src = src.cpu()
     src = src.contiguous()
     lay = layout(name, src.dtype, tuple(src.shape))
-    header = _header(key, lay, lay.nbytes)
+    header = _header(key, lay, lay.nbytes, auth_key)
     rows_at = len(header) + _CHECKSUM_SIZE
     buf = buffer_for(rows_at + lay.nbytes)
     if len(buf) != rows_at + lay.nbytes:
@@ -187,21 +223,24 @@ def encode_into(
     data = src.reshape(-1).view(torch.uint8).numpy()
     np.frombuffer(buf, dtype=np.uint8, count=lay.nbytes, offset=rows_at)[:] = data
     if sealed:
-        seal(buf)
+        seal(buf, auth_key=auth_key)
     else:
         view[len(header) : rows_at] = bytes(_CHECKSUM_SIZE)
     return buf
 
 
-def seal(buf: bytearray) -> None:
-    """Writes the checksum of a value built by `encode_into` with ``sealed=False``."""
+def seal(buf: bytearray, *, auth_key: bytes | None = None) -> None:
+    """Writes the check of a value built by `encode_into` with ``sealed=False``."""
     view = memoryview(buf)
-    _, _, _, dlen, ndim, slen, elen, _ = _FIXED.unpack_from(view)
+    magic, _, _, dlen, ndim, slen, elen, _ = _FIXED.unpack_from(view)
+    if magic != (MAGIC if auth_key is None else MAGIC_KEYED):
+        raise ValueError(
+            f"auth_key: expected {'none' if magic == MAGIC else 'the key'} for a value "
+            f"built with magic {magic!r}"
+        )
     checksum_at = _FIXED.size + dlen + 8 * ndim + slen + elen
     rows_at = checksum_at + _CHECKSUM_SIZE
-    h = xxhash.xxh3_128(view[:checksum_at])
-    h.update(view[rows_at:])
-    view[checksum_at:rows_at] = h.digest()
+    view[checksum_at:rows_at] = _check(auth_key, view[:checksum_at], view[rows_at:])
 
 
 def decode(
@@ -210,30 +249,45 @@ def decode(
     name: str,
     dtype: torch.dtype,
     shape: Sequence[int],
+    *,
+    auth_key: bytes | None = None,
 ) -> Decoded:
     """The rows of ``value`` if it holds entry ``name`` of block ``key`` as expected.
+
+    With ``auth_key`` only a value whose MAC holds under that key is served;
+    without, only a value with a plain checksum.
 
     Returns:
         The rows (a CPU tensor viewing ``value``: copy it before ``value``
         goes), or the `Rejection`.
     """
-    return decode_as(value, key, layout(name, dtype, shape))
+    return decode_as(value, key, layout(name, dtype, shape), auth_key=auth_key)
 
 
-def decode_as(value: bytes | bytearray | memoryview, key: bytes, lay: Layout) -> Decoded:
+def decode_as(
+    value: bytes | bytearray | memoryview,
+    key: bytes,
+    lay: Layout,
+    *,
+    auth_key: bytes | None = None,
+) -> Decoded:
     """`decode` against a prepared `Layout` (readers build one per entry)."""
     view = memoryview(value)
     if len(view) < _FIXED.size:
         return Decoded(None, Rejection.FORMAT)
     magic, version, order, dlen, ndim, slen, elen, nbytes = _FIXED.unpack_from(view)
-    if magic != MAGIC or version != FORMAT_VERSION:
+    if magic not in (MAGIC, MAGIC_KEYED) or version != FORMAT_VERSION:
         return Decoded(None, Rejection.FORMAT)
+    if magic != (MAGIC if auth_key is None else MAGIC_KEYED):
+        # NOTE: a keyed reader never falls back to a plain checksum, which
+        # anyone can compute.
+        return Decoded(None, Rejection.MISMATCH)
     checksum_at = _FIXED.size + dlen + 8 * ndim + slen + elen
     if len(view) != checksum_at + _CHECKSUM_SIZE + nbytes:
         return Decoded(None, Rejection.FORMAT)
     if len(key) > 255:
         return Decoded(None, Rejection.MISMATCH)
-    expected = _header(key, lay, lay.nbytes)
+    expected = _header(key, lay, lay.nbytes, auth_key)
     if (
         order != _NATIVE_ORDER
         or nbytes != lay.nbytes
@@ -242,9 +296,9 @@ def decode_as(value: bytes | bytearray | memoryview, key: bytes, lay: Layout) ->
     ):
         return Decoded(None, Rejection.MISMATCH)
     rows_at = checksum_at + _CHECKSUM_SIZE
-    h = xxhash.xxh3_128(view[:checksum_at])
-    h.update(view[rows_at:])
-    if h.digest() != view[checksum_at:rows_at]:
+    check = _check(auth_key, view[:checksum_at], view[rows_at:])
+    # NOTE: compared in constant time: with a key the check is a MAC.
+    if not hmac.compare_digest(check, view[checksum_at:rows_at]):
         return Decoded(None, Rejection.CHECKSUM)
     if nbytes == 0:
         return Decoded(torch.empty(lay.shape, dtype=lay.dtype), None)

@@ -32,6 +32,8 @@ class MemoryTier:
             recently written or read values go first.
         max_value_bytes: Largest value kept (None: no limit); larger ones are
             counted in ``num_oversize_values``.
+        auth_key: 32 secret bytes: values carry a keyed MAC, and only values
+            whose MAC holds are served (see `omnicache.tiers.codec`).
     """
 
     def __init__(
@@ -41,12 +43,14 @@ class MemoryTier:
         prefix: str = "omnicache",
         max_bytes: int | None = None,
         max_value_bytes: int | None = None,
+        auth_key: bytes | None = None,
     ) -> None:
         self.namespace = check_key_part("namespace", namespace)
         self.prefix = check_key_part("prefix", prefix)
         for what, value in (("max_bytes", max_bytes), ("max_value_bytes", max_value_bytes)):
             if value is not None and (type(value) is not int or value < 1):
                 raise ValueError(f"{what}: expected an int >= 1 or None, found {value!r}")
+        self._auth_key = codec.check_auth_key(auth_key)
         self.max_bytes = max_bytes
         self.max_value_bytes = max_value_bytes
         # Value key -> value, least recently used first. Tests may edit it.
@@ -72,7 +76,7 @@ class MemoryTier:
         encoded = [
             (
                 value_key(self.prefix, self.namespace, b.key, b.name),
-                codec.encode(b.key, b.name, b.rows),
+                codec.encode(b.key, b.name, b.rows, auth_key=self._auth_key),
             )
             for b in blocks
         ]
@@ -113,6 +117,6 @@ class MemoryTier:
             def on_reject(index: int, spec: EntrySpec, why: codec.Rejection) -> None:
                 stats.num_rejected_values += 1
 
-            run = decode_run(keys, entries, block_size, value_of, on_reject)
+            run = decode_run(keys, entries, block_size, value_of, on_reject, self._auth_key)
             stats.num_hit_blocks += len(run)
             return run

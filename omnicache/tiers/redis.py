@@ -84,6 +84,9 @@ class RedisTier:
         read_batch_bytes: Bytes of rows per MGET of a read.
         retry_after_s: After a fault, how long reads answer misses without
             asking and writes wait.
+        auth_key: 32 secret bytes shared by the engines: values carry a keyed
+            MAC, and only values whose MAC holds are served, so a client that
+            can write to the server but lacks the key cannot plant rows.
         clock: Monotonic seconds (tests pass a fake one).
     """
 
@@ -99,6 +102,7 @@ class RedisTier:
         batch_bytes: int = 8 * MiB,
         read_batch_bytes: int = 32 * MiB,
         retry_after_s: float = 1.0,
+        auth_key: bytes | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not callable(getattr(client, "pipeline", None)):
@@ -120,6 +124,7 @@ class RedisTier:
                 raise ValueError(f"{what}: expected an int >= 1, found {value!r}")
         if not isinstance(retry_after_s, (int, float)) or not retry_after_s >= 0:
             raise ValueError(f"retry_after_s: expected a number >= 0, found {retry_after_s!r}")
+        self._auth_key = codec.check_auth_key(auth_key)
         self.client = client
         self.ttl_s = ttl_s
         self.max_value_bytes = max_value_bytes
@@ -205,7 +210,12 @@ class RedisTier:
             try:
                 name = value_key(self.prefix, self.namespace, block.key, block.name)
                 value = codec.encode_into(
-                    block.key, block.name, block.rows, self._take_buffer, sealed=False
+                    block.key,
+                    block.name,
+                    block.rows,
+                    self._take_buffer,
+                    sealed=False,
+                    auth_key=self._auth_key,
                 )
             except Exception as exc:
                 with self._cv:
@@ -312,7 +322,7 @@ class RedisTier:
             rejected.append((index, spec, why))
 
         try:
-            run = decode_run(keys, entries, block_size, value_of, on_reject)
+            run = decode_run(keys, entries, block_size, value_of, on_reject, self._auth_key)
         except Exception as exc:
             self._fault(exc, "read")
             with self._cv:
@@ -470,7 +480,7 @@ class RedisTier:
         try:
             pipe = self.client.pipeline(transaction=False)
             for name, value in batch:
-                codec.seal(value)
+                codec.seal(value, auth_key=self._auth_key)
                 pipe.set(name, memoryview(value), ex=self.ttl_s)
             # NOTE: a refused command (OOM under maxmemory noeviction, ...)
             # comes back as its reply; a lost connection raises.
