@@ -49,6 +49,7 @@ from typing import NamedTuple
 
 import blake3
 import numpy as np
+import numpy.typing as npt
 import torch
 import xxhash
 
@@ -176,16 +177,23 @@ def encode(key: bytes, name: str, rows: torch.Tensor, *, auth_key: bytes | None 
     The rows are copied once, into the value; later changes to ``rows`` do
     not reach it. With ``auth_key`` the value carries a keyed MAC.
     """
+    header, data = _parts(key, name, rows, auth_key)
+    # NOTE: the check reads the rows in place and the join copies them once.
+    view = data.data
+    return b"".join((header, _check(auth_key, header, view), view))
+
+
+def _parts(
+    key: bytes, name: str, rows: torch.Tensor, auth_key: bytes | None
+) -> tuple[bytes, npt.NDArray[np.uint8]]:
+    """A value's header, and its rows as bytes viewing the CPU rows' own memory."""
     src = rows.detach()
     if src.device.type != "cpu":
         src = src.cpu()
     src = src.contiguous()
     lay = layout(name, src.dtype, tuple(src.shape))
-    header = _header(key, lay, lay.nbytes, auth_key)
-    # NOTE: a uint8 view of the tensor's own memory (bf16 has no numpy dtype):
-    # the check reads the rows in place and the join copies them once.
-    data = src.reshape(-1).view(torch.uint8).numpy().data
-    return b"".join((header, _check(auth_key, header, data), data))
+    # NOTE: a uint8 view, since bf16 has no numpy dtype.
+    return _header(key, lay, lay.nbytes, auth_key), src.reshape(-1).view(torch.uint8).numpy()
 
 
 def encode_into(
@@ -208,20 +216,15 @@ def encode_into(
             `seal` (a writer thread does it, off the caller's path).
         auth_key: Make the check a keyed MAC (`seal` needs the same key).
     """
-    src = rows.detach()
-    if src.device.type != "cpu":
-        src = src.cpu()
-    src = src.contiguous()
-    lay = layout(name, src.dtype, tuple(src.shape))
-    header = _header(key, lay, lay.nbytes, auth_key)
+    header, data = _parts(key, name, rows, auth_key)
     rows_at = len(header) + _CHECKSUM_SIZE
-    buf = buffer_for(rows_at + lay.nbytes)
-    if len(buf) != rows_at + lay.nbytes:
-        raise ValueError(f"buffer: expected {rows_at + lay.nbytes} bytes, found {len(buf)}")
+    size = rows_at + len(data)
+    buf = buffer_for(size)
+    if len(buf) != size:
+        raise ValueError(f"buffer: expected {size} bytes, found {len(buf)}")
     view = memoryview(buf)
     view[: len(header)] = header
-    data = src.reshape(-1).view(torch.uint8).numpy()
-    np.frombuffer(buf, dtype=np.uint8, count=lay.nbytes, offset=rows_at)[:] = data
+    np.frombuffer(buf, dtype=np.uint8, count=len(data), offset=rows_at)[:] = data
     if sealed:
         seal(buf, auth_key=auth_key)
     else:
