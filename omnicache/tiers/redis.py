@@ -122,7 +122,11 @@ class RedisTier:
         ):
             if type(value) is not int or value < 1:
                 raise ValueError(f"{what}: expected an int >= 1, found {value!r}")
-        if not isinstance(retry_after_s, (int, float)) or not retry_after_s >= 0:
+        if (
+            type(retry_after_s) is bool
+            or not isinstance(retry_after_s, (int, float))
+            or not retry_after_s >= 0
+        ):
             raise ValueError(f"retry_after_s: expected a number >= 0, found {retry_after_s!r}")
         self._auth_key = codec.check_auth_key(auth_key)
         self.client = client
@@ -177,6 +181,13 @@ class RedisTier:
                 server may hold a request before it is served as a miss.
             cluster: Talk to a Redis Cluster.
             **kwargs: Other `RedisTier` arguments.
+
+        Raises:
+            ValueError: A malformed URL or argument.
+            redis.exceptions.RedisClusterException: With ``cluster``, no node
+                answered: the cluster's slot map is read here, once. (A plain
+                server is first asked at the first read or write, and a
+                server that is down then costs only misses.)
         """
         options: dict[str, Any] = {
             "socket_timeout": socket_timeout_s,
