@@ -938,9 +938,7 @@ class TensorStore:
             tier misses, is down or fails).
         """
         entries = self._entries_named(names)
-        ids = self._hit_blocks(block_ids, block_keys)
-        if len(ids) and np.bincount(ids).max() > 1:
-            raise ValueError(f"block_ids: expected distinct blocks, found {ids.tolist()}")
+        ids = self._hit_blocks(block_ids, block_keys, distinct=True)
         tier = self.tier
         if tier is None or not len(ids) or not entries:
             return 0
@@ -1293,8 +1291,18 @@ class TensorStore:
             raise ValueError(f"{what}: expected distinct blocks, found {ids.tolist()}")
         return ids
 
-    def _hit_blocks(self, block_ids: Sequence[int], block_keys: Sequence[BlockHash]) -> IntArray:
-        """Blocks to read; a block may repeat (reading it twice is harmless)."""
+    def _hit_blocks(
+        self,
+        block_ids: Sequence[int],
+        block_keys: Sequence[BlockHash],
+        *,
+        distinct: bool = False,
+    ) -> IntArray:
+        """The blocks as an id array, checked with their keys.
+
+        A block may repeat unless ``distinct``: reading it twice is harmless,
+        filling it twice is not.
+        """
         if len(block_ids) != len(block_keys):
             raise ValueError(
                 f"block_keys: expected {len(block_ids)} keys (one per block), "
@@ -1306,7 +1314,7 @@ class TensorStore:
                     raise TypeError(
                         f"block_keys[{index}]: expected bytes, found {type(key).__name__}"
                     )
-        return self._block_id_array("block_ids", block_ids, distinct=False)
+        return self._block_id_array("block_ids", block_ids, distinct=distinct)
 
     def _hit_block_list(
         self, block_ids: Sequence[int], block_keys: Sequence[BlockHash]

@@ -65,12 +65,6 @@ class MemoryTier:
         with self._lock:
             return replace(self._stats)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the values kept."""
-        with self._lock:
-            return sum(map(len, self.values.values()))
-
     def put(self, blocks: Sequence[TierBlock]) -> None:
         """Keeps each block's rows under ``{prefix}:{namespace}:{key hex}:{entry}``."""
         encoded = [

@@ -34,7 +34,6 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
-import math
 import threading
 import time
 import weakref
@@ -288,8 +287,7 @@ class RedisTier:
         if not keys or not entries:
             return []
         block_bytes = sum(
-            block_size * math.prod(e.row_shape) * torch.empty((), dtype=e.dtype).element_size()
-            for e in entries
+            codec.layout(e.name, e.dtype, (block_size, *e.row_shape)).nbytes for e in entries
         )
         per_call = max(1, self.read_batch_bytes // max(1, block_bytes))
         run: list[Mapping[str, torch.Tensor]] = []
