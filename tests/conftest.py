@@ -1,4 +1,4 @@
-"""Fixtures shared by test modules: the Redis server of the tier tests."""
+"""Fixtures shared by test modules: device configurations, the Redis server of the tier tests."""
 
 from __future__ import annotations
 
@@ -7,9 +7,17 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
+from helpers import DEVICE_CONFIGS, DeviceConfig
 
 if TYPE_CHECKING:
     from redis_server import RedisServer
+
+
+@pytest.fixture(params=DEVICE_CONFIGS, ids=[c.name for c in DEVICE_CONFIGS])
+def cfg(request: pytest.FixtureRequest) -> DeviceConfig:
+    """Each device configuration a store runs in (CUDA ones where a GPU is present)."""
+    config: DeviceConfig = request.param
+    return config
 
 
 @pytest.fixture(scope="session")
