@@ -65,6 +65,7 @@ import xxhash
 
 from hashing import ALGORITHMS, Algorithm, digest_size
 from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
+from omnicache.checks import check_int, check_optional_str, check_str, type_name
 
 __all__ = [
     "DEFAULT_BLOCK_ALGORITHM",
@@ -110,7 +111,7 @@ _token_end = attrgetter("token_end")
 def block_hash_hex(key: bytes, /) -> str:
     """A key as lowercase hex (two characters per byte, first byte first)."""
     if not isinstance(key, bytes):
-        raise TypeError(f"key: expected bytes, found {type(key).__name__}")
+        raise TypeError(f"key: expected bytes, found {type_name(key)}")
     return key.hex()
 
 
@@ -124,7 +125,7 @@ def block_hash_low64(key: bytes, /) -> int:
     cache key.
     """
     if not isinstance(key, bytes):
-        raise TypeError(f"key: expected bytes, found {type(key).__name__}")
+        raise TypeError(f"key: expected bytes, found {type_name(key)}")
     if len(key) < 8:
         raise ValueError(f"key: expected at least 8 bytes, found {len(key)}")
     return int.from_bytes(key[-8:], "big")
@@ -146,12 +147,6 @@ def _describe_key(key: object) -> str:
     if isinstance(key, bytes):
         return f"{len(key)} bytes"
     return type(key).__name__
-
-
-def _check_optional_str(value: object, name: str) -> str | None:
-    if value is not None and not isinstance(value, str):
-        raise TypeError(f"{name}: expected a str or None, found {type(value).__name__}")
-    return value
 
 
 class BlockHasher:
@@ -195,20 +190,14 @@ class BlockHasher:
         cache_salt: str | None = None,
         adapter: str | None = None,
     ) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int):
-            raise TypeError(f"block_size: expected an int, found {type(block_size).__name__}")
-        if not 1 <= block_size <= _MAX_BLOCK_SIZE:
-            raise ValueError(
-                f"block_size: expected an int in [1, {_MAX_BLOCK_SIZE}], found {block_size}"
-            )
+        check_int("block_size", block_size, minimum=1, maximum=_MAX_BLOCK_SIZE)
         self._digest_size = digest_size(algorithm)  # ValueError for an unknown algorithm
-        if not isinstance(namespace, str):
-            raise TypeError(f"namespace: expected a str, found {type(namespace).__name__}")
+        check_str("namespace", namespace)
         self._algorithm = algorithm
         self._block_size = block_size
         self._namespace = namespace
-        self._cache_salt = _check_optional_str(cache_salt, "cache_salt")
-        self._adapter = _check_optional_str(adapter, "adapter")
+        self._cache_salt = check_optional_str("cache_salt", cache_salt)
+        self._adapter = check_optional_str("adapter", adapter)
         self._new, self._oneshot = _DIGESTERS[algorithm]
         preimage = b"".join(
             (
@@ -289,8 +278,7 @@ class BlockHasher:
             tokens = AnnotatedTokens(tokens)
         block_size = self._block_size
         num_full_blocks = len(tokens) // block_size
-        if isinstance(start_block, bool) or not isinstance(start_block, int):
-            raise TypeError(f"start_block: expected an int, found {type(start_block).__name__}")
+        check_int("start_block", start_block)
         if not 0 <= start_block <= num_full_blocks:
             raise ValueError(
                 f"start_block: expected an int in [0, {num_full_blocks}] (full blocks of "
@@ -304,7 +292,7 @@ class BlockHasher:
                 )
             parent = self._root
         elif not isinstance(parent, bytes):
-            raise TypeError(f"parent: expected bytes or None, found {type(parent).__name__}")
+            raise TypeError(f"parent: expected bytes or None, found {type_name(parent)}")
         elif len(parent) != self._digest_size:
             raise ValueError(
                 f"parent: expected a {self._digest_size}-byte {self._algorithm} key, "

@@ -42,6 +42,7 @@ from operator import is_not
 from typing import cast
 
 from omnicache.block_hash import BlockHash, block_hash_hex, block_hash_low64
+from omnicache.checks import check_int, check_optional_int, type_name
 
 __all__ = [
     "AllBlocksCleared",
@@ -240,8 +241,8 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_events: bool = True) -> None:
-        _check_positive_int("num_blocks", num_blocks)
-        _check_positive_int("block_size", block_size)
+        check_int("num_blocks", num_blocks, minimum=1)
+        check_int("block_size", block_size, minimum=1)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_events = enable_events
@@ -278,12 +279,8 @@ class BlockPool:
         """
         if max_num_blocks is None:
             max_num_blocks = len(block_hashes)
-        elif type(max_num_blocks) is not int:
-            raise TypeError(
-                f"max_num_blocks: expected int or None, found {type(max_num_blocks).__name__}"
-            )
-        elif max_num_blocks < 0:
-            raise ValueError(f"max_num_blocks: expected >= 0, found {max_num_blocks}")
+        else:
+            check_optional_int("max_num_blocks", max_num_blocks, minimum=0)
         if max_num_blocks == 0 or not block_hashes:
             return []
         get = self.hash_to_block.get
@@ -297,10 +294,7 @@ class BlockPool:
 
     def get_block_hash(self, block_id: int) -> BlockHash | None:
         """Returns the key that block ``block_id`` holds now, or None."""
-        if type(block_id) is not int:
-            raise TypeError(f"block_id: expected int, found {type(block_id).__name__}")
-        if not 0 <= block_id < self.num_blocks:
-            raise ValueError(f"block_id: expected 0..{self.num_blocks - 1}, found {block_id}")
+        check_int("block_id", block_id, minimum=0, maximum=self.num_blocks - 1)
         return self.blocks[block_id].block_hash
 
     # -- allocation ---------------------------------------------------------
@@ -337,10 +331,7 @@ class BlockPool:
             unchanged. Running out of room is an expected outcome under load
             (the caller waits or preempts), so it is a value, not an error.
         """
-        if type(num_blocks) is not int:
-            raise TypeError(f"num_blocks: expected int, found {type(num_blocks).__name__}")
-        if num_blocks < 0:
-            raise ValueError(f"num_blocks: expected >= 0, found {num_blocks}")
+        check_int("num_blocks", num_blocks, minimum=0)
         if num_blocks > self.free_block_queue.num_free_blocks:
             return None
         blocks = self.free_block_queue.popleft_n(num_blocks)
@@ -558,7 +549,7 @@ class BlockPool:
         already changed and the caller would lose the call's result.
         """
         if not callable(callback):
-            raise TypeError(f"callback: expected a callable, found {type(callback).__name__}")
+            raise TypeError(f"callback: expected a callable, found {type_name(callback)}")
         self._eviction_listeners.append(callback)
 
     def remove_eviction_listener(self, callback: EvictionListener) -> None:
@@ -579,14 +570,7 @@ class BlockPool:
 
     def _check_own(self, index: int, block: CacheBlock) -> None:
         if not isinstance(block, CacheBlock):
-            raise TypeError(f"[{index}]: expected CacheBlock, found {type(block).__name__}")
+            raise TypeError(f"[{index}]: expected CacheBlock, found {type_name(block)}")
         block_id = block.block_id
         if not 0 <= block_id < self.num_blocks or self.blocks[block_id] is not block:
             raise ValueError(f"[{index}]: block {block_id} does not belong to this pool")
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if type(value) is not int:
-        raise TypeError(f"{name}: expected int, found {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name}: expected >= 1, found {value}")

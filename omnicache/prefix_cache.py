@@ -35,6 +35,7 @@ from typing import NamedTuple
 from omnicache.annotations import AnnotatedTokens
 from omnicache.block_hash import BlockHash, BlockHasher
 from omnicache.block_pool import BlockPool, CacheBlock, PoolEvent
+from omnicache.checks import check_int, type_name
 
 __all__ = ["PrefixCache", "PrefixCacheStats", "RequestBlocks"]
 
@@ -89,11 +90,9 @@ class PrefixCache:
 
     def __init__(self, block_pool: BlockPool, block_hasher: BlockHasher) -> None:
         if not isinstance(block_pool, BlockPool):
-            raise TypeError(f"block_pool: expected BlockPool, found {type(block_pool).__name__}")
+            raise TypeError(f"block_pool: expected BlockPool, found {type_name(block_pool)}")
         if not isinstance(block_hasher, BlockHasher):
-            raise TypeError(
-                f"block_hasher: expected BlockHasher, found {type(block_hasher).__name__}"
-            )
+            raise TypeError(f"block_hasher: expected BlockHasher, found {type_name(block_hasher)}")
         if block_pool.block_size != block_hasher.block_size:
             raise ValueError(
                 f"block_hasher.block_size: expected {block_pool.block_size} "
@@ -132,11 +131,11 @@ class PrefixCache:
             changes and the query is not counted: ask again after a free).
         """
         if not isinstance(request_id, str):
-            raise TypeError(f"request_id: expected str, found {type(request_id).__name__}")
+            raise TypeError(f"request_id: expected str, found {type_name(request_id)}")
         if request_id in self._requests:
             raise ValueError(f"request_id: expected a new request id, found {request_id!r} active")
         if not isinstance(prompt, AnnotatedTokens):
-            raise TypeError(f"prompt: expected AnnotatedTokens, found {type(prompt).__name__}")
+            raise TypeError(f"prompt: expected AnnotatedTokens, found {type_name(prompt)}")
         num_tokens = len(prompt)
         if num_tokens == 0:
             raise ValueError("prompt: expected at least 1 token, found 0")
@@ -188,10 +187,7 @@ class PrefixCache:
             The number of keys that entered the pool's table.
         """
         request = self._get(request_id)
-        if type(num_computed_tokens) is not int:
-            raise TypeError(
-                f"num_computed_tokens: expected int, found {type(num_computed_tokens).__name__}"
-            )
+        check_int("num_computed_tokens", num_computed_tokens)
         if not request.num_computed_tokens <= num_computed_tokens <= len(request.tokens):
             raise ValueError(
                 f"num_computed_tokens: expected {request.num_computed_tokens}.."

@@ -429,17 +429,17 @@ def test_repr_hides_the_salt() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"block_size": 0}, ValueError, "block_size: expected an int in [1, 4294967295], found 0"),
-        ({"block_size": 4.0}, TypeError, "block_size: expected an int, found float"),
-        ({"block_size": True}, TypeError, "block_size: expected an int, found bool"),
+        ({"block_size": 0}, ValueError, "block_size: expected int in [1, 4294967295], found 0"),
+        ({"block_size": 4.0}, TypeError, "block_size: expected int, found float"),
+        ({"block_size": True}, TypeError, "block_size: expected int, found bool"),
         (
             {"algorithm": "md5"},
             ValueError,
             "algorithm: expected one of blake3, sha256, xxh3_128, found 'md5'",
         ),
-        ({"namespace": None}, TypeError, "namespace: expected a str, found NoneType"),
-        ({"cache_salt": b"x"}, TypeError, "cache_salt: expected a str or None, found bytes"),
-        ({"adapter": 3}, TypeError, "adapter: expected a str or None, found int"),
+        ({"namespace": None}, TypeError, "namespace: expected str, found NoneType"),
+        ({"cache_salt": b"x"}, TypeError, "cache_salt: expected str or None, found bytes"),
+        ({"adapter": 3}, TypeError, "adapter: expected str or None, found int"),
         (
             {"namespace": "\ud800"},
             ValueError,
@@ -474,7 +474,7 @@ def test_bad_hash_blocks_arguments_change_nothing() -> None:
         hasher.hash_blocks(prompt, parent=bytes(16), start_block=1)
     with pytest.raises(TypeError, match=re.escape("parent: expected bytes or None, found str")):
         hasher.hash_blocks(prompt, parent="00" * 32, start_block=1)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=re.escape("start_block: expected an int, found float")):
+    with pytest.raises(TypeError, match=re.escape("start_block: expected int, found float")):
         hasher.hash_blocks(prompt, start_block=1.0)  # type: ignore[arg-type]
     with pytest.raises(
         ValueError,

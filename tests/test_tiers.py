@@ -297,7 +297,13 @@ def test_values_over_the_size_limit_are_counted_not_stored(small_values: Harness
         ({"namespace": "x", "prefix": "{p}"}, ValueError, "prefix: expected non-empty"),
         ({"namespace": "x y"}, ValueError, "found 'x y'"),
         ({"namespace": 7}, TypeError, "namespace: expected str, found int"),
-        ({"namespace": "x", "max_value_bytes": 0}, ValueError, "max_value_bytes: expected an int"),
+        (
+            {"namespace": "x", "max_value_bytes": 0},
+            ValueError,
+            "max_value_bytes: expected int >= 1",
+        ),
+        ({"namespace": "x", "max_value_bytes": 1.5}, TypeError, "max_value_bytes: expected int"),
+        ({"namespace": "x", "max_value_bytes": True}, TypeError, "found bool"),
     ],
 )
 def test_bad_arguments(

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from omnicache.block_hash import BlockHash
+from omnicache.checks import check_str
 from omnicache.store import EntrySpec
 from omnicache.tiers import codec
 
@@ -54,8 +55,7 @@ class TierStats:
 
 def check_key_part(what: str, value: object) -> str:
     """A prefix or namespace: non-empty printable ASCII without ``: { }`` or spaces."""
-    if not isinstance(value, str):
-        raise TypeError(f"{what}: expected str, found {type(value).__name__}")
+    value = check_str(what, value)
     bad = sorted({c for c in value if c in _FORBIDDEN or not (c.isascii() and c.isprintable())})
     if not value or bad:
         raise ValueError(

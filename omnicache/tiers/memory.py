@@ -15,6 +15,7 @@ from dataclasses import replace
 import torch
 
 from omnicache.block_hash import BlockHash
+from omnicache.checks import check_optional_int
 from omnicache.store import EntrySpec, TierBlock
 from omnicache.tiers import codec
 from omnicache.tiers.base import TierStats, check_key_part, decode_run, value_key
@@ -47,9 +48,8 @@ class MemoryTier:
     ) -> None:
         self.namespace = check_key_part("namespace", namespace)
         self.prefix = check_key_part("prefix", prefix)
-        for what, value in (("max_bytes", max_bytes), ("max_value_bytes", max_value_bytes)):
-            if value is not None and (type(value) is not int or value < 1):
-                raise ValueError(f"{what}: expected an int >= 1 or None, found {value!r}")
+        check_optional_int("max_bytes", max_bytes, minimum=1)
+        check_optional_int("max_value_bytes", max_value_bytes, minimum=1)
         self._auth_key = codec.check_auth_key(auth_key)
         self.max_bytes = max_bytes
         self.max_value_bytes = max_value_bytes

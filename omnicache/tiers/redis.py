@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from omnicache.block_hash import BlockHash
+from omnicache.checks import check_int, check_number, check_optional_int
 from omnicache.store import EntrySpec, TierBlock
 from omnicache.tiers import codec
 from omnicache.tiers.base import TierStats, check_key_part, decode_run, value_key
@@ -111,22 +112,15 @@ class RedisTier:
             )
         self.namespace = check_key_part("namespace", namespace)
         self.prefix = check_key_part("prefix", prefix)
-        if ttl_s is not None and (type(ttl_s) is not int or ttl_s < 1):
-            raise ValueError(f"ttl_s: expected an int >= 1 or None, found {ttl_s!r}")
+        check_optional_int("ttl_s", ttl_s, minimum=1)
         for what, value in (
             ("max_value_bytes", max_value_bytes),
             ("max_pending_bytes", max_pending_bytes),
             ("batch_bytes", batch_bytes),
             ("read_batch_bytes", read_batch_bytes),
         ):
-            if type(value) is not int or value < 1:
-                raise ValueError(f"{what}: expected an int >= 1, found {value!r}")
-        if (
-            type(retry_after_s) is bool
-            or not isinstance(retry_after_s, (int, float))
-            or not retry_after_s >= 0
-        ):
-            raise ValueError(f"retry_after_s: expected a number >= 0, found {retry_after_s!r}")
+            check_int(what, value, minimum=1)
+        check_number("retry_after_s", retry_after_s, minimum=0)
         self._auth_key = codec.check_auth_key(auth_key)
         self.client = client
         self.ttl_s = ttl_s
