@@ -14,6 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Layers from the bottom up; a module may import only its own layer or lower.
 LAYERS = [
     ["hashing"],
+    # Argument checks: imports nothing of the project.
+    ["omnicache.checks"],
     ["omnicache.annotations"],
     ["omnicache.preprocess"],
     ["omnicache.block_hash"],
