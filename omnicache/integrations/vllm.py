@@ -86,6 +86,7 @@ from hashing import (
 )
 from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
 from omnicache.block_hash import DEFAULT_BLOCK_ALGORITHM, BlockHash, BlockHasher
+from omnicache.checks import check_bool, check_int, check_str, type_name
 from omnicache.store import HIDDEN_STATES, MergedRead, ScheduledRequest, TensorStore, WriteResult
 
 if TYPE_CHECKING:
@@ -177,6 +178,7 @@ def content_identifier(
         The digest as lowercase hex: what `RequestBlockHasher` reads back from
         ``MultiModalFeatureSpec.identifier``.
     """
+    check_str("modality", modality)
     if modality not in SUPPORTED_MODALITIES:
         raise ValueError(f"modality: expected one of {SUPPORTED_MODALITIES}, found {modality!r}")
     if isinstance(item, ContentHash):
@@ -192,7 +194,7 @@ def content_identifier(
         if not (isinstance(item, tuple) and len(item) == 2):
             raise TypeError(
                 "item: expected for audio a (waveform, sampling_rate) tuple, encoded bytes or "
-                f"a ContentHash, found {type(item).__name__}"
+                f"a ContentHash, found {type_name(item)}"
             )
         waveform, sampling_rate = item
         return hash_audio(waveform, sampling_rate, algorithm=algorithm, context=context).hex()
@@ -204,9 +206,7 @@ def content_identifier(
 def _modality_items(mm_data: Mapping[str, object], what: str) -> dict[str, list[object]]:
     """vLLM's per-modality data as lists: a list holds several items, anything else is one."""
     if not isinstance(mm_data, Mapping):
-        raise TypeError(
-            f"{what}: expected a mapping modality -> items, found {type(mm_data).__name__}"
-        )
+        raise TypeError(f"{what}: expected a mapping modality -> items, found {type_name(mm_data)}")
     items: dict[str, list[object]] = {}
     for modality, data in mm_data.items():
         if modality not in SUPPORTED_MODALITIES:
@@ -276,7 +276,7 @@ def make_mm_features(
     if not isinstance(mm_placeholders, Mapping):
         raise TypeError(
             "mm_placeholders: expected a mapping modality -> PlaceholderRanges, found "
-            f"{type(mm_placeholders).__name__}"
+            f"{type_name(mm_placeholders)}"
         )
     if set(mm_placeholders) != set(items):
         raise ValueError(
@@ -295,7 +295,7 @@ def make_mm_features(
             if not isinstance(position, vllm_inputs.PlaceholderRange):
                 raise TypeError(
                     f"mm_placeholders[{modality!r}][{index}]: expected a PlaceholderRange, "
-                    f"found {type(position).__name__}"
+                    f"found {type_name(position)}"
                 )
             identifier = content_identifier(
                 item, modality=modality, algorithm=algorithm, context=context
@@ -331,13 +331,8 @@ def adapter_id(lora_request: object | None, /) -> str | None:
     """
     if lora_request is None:
         return None
-    name = getattr(lora_request, "lora_name", None)
-    path = getattr(lora_request, "lora_path", None)
-    if not isinstance(name, str) or not isinstance(path, str):
-        raise TypeError(
-            "lora_request: expected lora_name and lora_path of type str, found "
-            f"{type(name).__name__} and {type(path).__name__}"
-        )
+    name = check_str("lora_request.lora_name", getattr(lora_request, "lora_name", None))
+    path = check_str("lora_request.lora_path", getattr(lora_request, "lora_path", None))
     return json.dumps([name, path], ensure_ascii=False, separators=(",", ":"))
 
 
@@ -382,14 +377,6 @@ def _clip_runs(
             out.append(
                 TokenRangeAnnotation(first - start, end - first, content_hash, first - base, length)
             )
-
-
-def _check_int(value: object, where: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{where}: expected an int, found {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{where}: expected an int >= {minimum}, found {value}")
-    return value
 
 
 class RequestBlockHasher:
@@ -460,13 +447,9 @@ class RequestBlockHasher:
         trust_hex_identifiers: bool = True,
     ) -> None:
         base = BlockHasher(block_size, algorithm=algorithm, namespace=namespace)
-        if not isinstance(trust_hex_identifiers, bool):
-            raise TypeError(
-                "trust_hex_identifiers: expected bool, found "
-                f"{type(trust_hex_identifiers).__name__}"
-            )
+        check_bool("trust_hex_identifiers", trust_hex_identifiers)
         digest_size(content_algorithm)  # ValueError for an unknown algorithm
-        _check_int(max_roots, "max_roots", 1)
+        check_int("max_roots", max_roots, minimum=1)
         self._block_size = block_size
         self._algorithm = algorithm
         self._namespace = namespace
@@ -555,8 +538,8 @@ class RequestBlockHasher:
         for index, feature in enumerate(request.mm_features):
             where = f"mm_features[{index}]"
             position = feature.mm_position
-            offset = _check_int(position.offset, f"{where}.mm_position.offset", 0)
-            length = _check_int(position.length, f"{where}.mm_position.length", 1)
+            offset = check_int(f"{where}.mm_position.offset", position.offset, minimum=0)
+            length = check_int(f"{where}.mm_position.length", position.length, minimum=1)
             if offset < prev_end:
                 raise ValueError(
                     f"{where}.mm_position: expected offset >= {prev_end} (features sorted by "
@@ -576,9 +559,7 @@ class RequestBlockHasher:
             _clip_runs(runs, offset, length, content_hash, start, stop, out)
 
     def _content_hash(self, feature: Any, lora_prefix: str | None, where: str) -> bytes:
-        identifier = feature.identifier
-        if not isinstance(identifier, str) or not identifier:
-            raise ValueError(f"{where}.identifier: expected a non-empty str, found {identifier!r}")
+        identifier = check_str(f"{where}.identifier", feature.identifier, nonempty=True)
         if self._trust_hex_identifiers and _HEX_DIGEST.fullmatch(identifier):
             return bytes.fromhex(identifier)
         if (
@@ -642,7 +623,7 @@ def install_block_hasher(
     from vllm.v1.engine.core import EngineCore
 
     if not isinstance(engine_core, EngineCore):
-        raise TypeError(f"engine_core: expected an EngineCore, found {type(engine_core).__name__}")
+        raise TypeError(f"engine_core: expected an EngineCore, found {type_name(engine_core)}")
     if engine_core.request_block_hasher is None:
         raise ValueError(
             "engine_core: expected prefix caching enabled (a request_block_hasher), found none"
@@ -834,21 +815,17 @@ class OmniKVCacheManager:
         from vllm.v1.request import RequestStatus
 
         if not isinstance(manager, KVCacheManager):
-            raise TypeError(f"manager: expected a KVCacheManager, found {type(manager).__name__}")
+            raise TypeError(f"manager: expected a KVCacheManager, found {type_name(manager)}")
         if not isinstance(store, TensorStore):
-            raise TypeError(f"store: expected a TensorStore, found {type(store).__name__}")
+            raise TypeError(f"store: expected a TensorStore, found {type_name(store)}")
         if not manager.enable_caching:
             raise ValueError("manager: expected enable_caching=True, found False")
         groups = manager.kv_cache_config.kv_cache_groups
-        _check_int(kv_cache_group_id, "kv_cache_group_id", 0)
-        if kv_cache_group_id >= len(groups):
-            raise ValueError(
-                f"kv_cache_group_id: expected 0..{len(groups) - 1}, found {kv_cache_group_id}"
-            )
+        check_int("kv_cache_group_id", kv_cache_group_id, minimum=0, maximum=len(groups) - 1)
         spec = groups[kv_cache_group_id].kv_cache_spec
         if not isinstance(spec, FullAttentionSpec):
             raise ValueError(
-                f"kv_cache_group_id: expected a full-attention group, found {type(spec).__name__}"
+                f"kv_cache_group_id: expected a full-attention group, found {type_name(spec)}"
             )
         pool = manager.block_pool
         if spec.block_size != store.block_size or pool.hash_block_size != store.block_size:
@@ -863,11 +840,7 @@ class OmniKVCacheManager:
             )
         if isinstance(pool.metrics_collector, _ReuseHook):
             raise ValueError("manager: expected a manager not wrapped yet, found one wrapped")
-        if type(require_stored_outputs) is not bool:
-            raise TypeError(
-                "require_stored_outputs: expected bool, found "
-                f"{type(require_stored_outputs).__name__}"
-            )
+        check_bool("require_stored_outputs", require_stored_outputs)
         self._manager = manager
         self._store = store
         self._group_id = kv_cache_group_id
@@ -1182,13 +1155,14 @@ class OmniKVCacheManager:
         for index, item in enumerate(step):
             where = f"step[{index}]"
             if not isinstance(item, StepRequest):
-                raise TypeError(f"{where}: expected a StepRequest, found {type(item).__name__}")
+                raise TypeError(f"{where}: expected a StepRequest, found {type_name(item)}")
+            check_str(f"{where}.req_id", item.req_id)
             state = self._state(item.req_id, f"{where}.req_id")
             if item.req_id in seen:
                 raise ValueError(f"{where}: request {item.req_id!r} listed twice")
             seen.add(item.req_id)
-            num_new = _check_int(item.num_new_tokens, f"{where}.num_new_tokens", 0)
-            start = _check_int(item.num_computed_tokens, f"{where}.num_computed_tokens", 0)
+            num_new = check_int(f"{where}.num_new_tokens", item.num_new_tokens, minimum=0)
+            start = check_int(f"{where}.num_computed_tokens", item.num_computed_tokens, minimum=0)
             if num_new:
                 parts.append(self._slots(state, start, num_new, block_keys, where))
             if with_hits and state.num_hit_tokens and start == state.num_hit_tokens:
@@ -1253,7 +1227,7 @@ class OmniKVCacheManager:
                 continue
             if not isinstance(value, torch.Tensor):
                 raise TypeError(
-                    f"outputs[{name!r}]: expected torch.Tensor, found {type(value).__name__}"
+                    f"outputs[{name!r}]: expected torch.Tensor, found {type_name(value)}"
                 )
             if tuple(value.shape[1:]) != spec.row_shape or value.dtype != spec.dtype:
                 raise ValueError(
