@@ -240,7 +240,10 @@ def test_module_imports_without_vllm_and_says_how_to_install(monkeypatch: Any) -
     # Undone after the test: the re-import below rebinds the package attribute too.
     monkeypatch.setattr(omnicache.integrations, "vllm", sys.modules["omnicache.integrations.vllm"])
     monkeypatch.setitem(sys.modules, "vllm", None)
-    monkeypatch.delitem(sys.modules, "omnicache.integrations.vllm")
+    # Every module of the package is imported afresh, with vLLM unimportable.
+    package = "omnicache.integrations.vllm"
+    for name in [name for name in sys.modules if name.startswith(package)]:
+        monkeypatch.delitem(sys.modules, name)
     module = importlib.import_module("omnicache.integrations.vllm")
     assert module.content_identifier(RED, modality="image") == RED_HEX
     with pytest.raises(ImportError, match=r"scripts/install-vllm-cpu\.sh") as info:
