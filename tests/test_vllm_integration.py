@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import key
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -36,7 +37,7 @@ from omnicache.integrations.vllm import (
     make_request,
     multi_modal_uuids,
 )
-from omnicache.store import StaleBlockError, TensorStore
+from omnicache.store import ScheduledRequest, StaleBlockError, TensorStore
 from omnicache.tiers.base import value_key
 from omnicache.tiers.memory import MemoryTier
 
@@ -936,6 +937,34 @@ def test_rejected_calls_leave_store_and_manager_unchanged() -> None:
         )
     with pytest.raises(ValueError, match=r"step\[1\]: request 'a' listed twice"):
         h.wrapper.read_merged([StepRequest("a", 1, 0), StepRequest("a", 1, 1)])
+    with pytest.raises(
+        ValueError, match=r"^step\[0\]\.num_new_tokens: expected int >= 0, found -1$"
+    ):
+        h.wrapper.write_outputs([StepRequest("a", -1, 0)], hidden_states=rows["hidden_states"])
+    with pytest.raises(
+        TypeError, match=r"^step\[0\]\.num_computed_tokens: expected int, found bool$"
+    ):
+        h.wrapper.read_merged([StepRequest("a", 1, True)])
+    with pytest.raises(TypeError, match=r"^step\[0\]: expected ScheduledRequest, found tuple$"):
+        h.wrapper.read_merged([("a", 1, 0)])  # type: ignore[list-item]
+    # StepRequest is the store's ScheduledRequest, whose hit fields the
+    # wrapper owns: a request that brings its own hit is refused.
+    assert StepRequest is ScheduledRequest
+    with pytest.raises(ValueError) as info:
+        h.wrapper.read_merged([ScheduledRequest("a", 1, 0, [1], [request.block_hashes[0]])])
+    assert str(info.value) == (
+        "step[0].hit_block_ids: expected () (the wrapper fills in the hit it recorded), found [1]"
+    )
+    with pytest.raises(ValueError) as info:
+        h.wrapper.write_outputs(
+            [ScheduledRequest("a", 56, 0, hit_block_keys=(key(7),))],
+            hidden_states=rows["hidden_states"],
+            multimodal_outputs={"codes": rows["codes"]},
+        )
+    assert str(info.value) == (
+        "step[0].hit_block_keys: expected () (the wrapper fills in the hit it recorded), "
+        r"found (b'\x00\x00\x0...0\x00\x00\x07',)"
+    )
     assert h.store.stats == before
     assert not h.store.has_staged("a")
     assert h.store.stamp_of("hidden_states", 1) is None

@@ -31,9 +31,10 @@ null block: it is never handed out, so the store's block 0 stays unused.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import reprlib
+from collections.abc import Mapping, Sequence, Sized
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -56,16 +57,13 @@ _GROUP_ID_BYTES = 4
 _NULL_BLOCK_ID = 0
 
 
-class StepRequest(NamedTuple):
-    """One request's part of a step's outputs, in batch order.
+StepRequest = ScheduledRequest
+"""The store's `ScheduledRequest`, under the name `OmniKVCacheManager` callers know.
 
-    The outputs hold ``num_new_tokens`` consecutive rows for it, the rows of
-    its tokens ``num_computed_tokens, num_computed_tokens + 1, ...``.
-    """
-
-    req_id: str
-    num_new_tokens: int
-    num_computed_tokens: int
+`OmniKVCacheManager.write_outputs` and `OmniKVCacheManager.read_merged` take
+one per request, in batch order, with ``hit_block_ids`` and ``hit_block_keys``
+left empty: the wrapper fills them in from the hit it recorded at allocation.
+"""
 
 
 @dataclass(slots=True)
@@ -85,12 +83,69 @@ class OmniStats:
 
 @dataclass(slots=True, eq=False)
 class _RequestState:
+    """What the wrapper records of a request, from its allocation to its free."""
+
     request: Any
     # The request's block table in vLLM (its own list, updated in place).
     blocks: list[Any]
     num_hit_tokens: int = 0
     hit_block_ids: tuple[int, ...] = ()
     hit_block_keys: tuple[BlockHash, ...] = ()
+
+    def slots(
+        self,
+        start: int,
+        num_new: int,
+        block_size: int,
+        block_keys: dict[int, BlockHash],
+        where: str,
+    ) -> npt.NDArray[np.int64]:
+        """Slots of the request's tokens ``[start, start + num_new)``, ``num_new > 0``.
+
+        Adds to ``block_keys`` the key of each full block those tokens touch.
+        """
+        blocks = self.blocks
+        stop = start + num_new
+        if stop > len(blocks) * block_size:
+            raise ValueError(
+                f"{where}: expected tokens below {len(blocks) * block_size} ({len(blocks)} "
+                f"blocks allocated), found tokens {start}..{stop - 1}"
+            )
+        first = start // block_size
+        last = (stop - 1) // block_size
+        block_ids = [block.block_id for block in blocks[first : last + 1]]
+        if _NULL_BLOCK_ID in block_ids:
+            raise RuntimeError(
+                f"{where}: tokens {start}..{stop - 1} map to vLLM's null block "
+                f"(block table {block_ids})"
+            )
+        hashes = self.request.block_hashes
+        for block in range(first, min(last + 1, len(hashes))):
+            block_keys[block_ids[block - first]] = hashes[block]
+        positions = np.arange(start, stop, dtype=np.int64)
+        ids = np.asarray(block_ids, dtype=np.int64)
+        slots: npt.NDArray[np.int64] = (
+            ids[positions // block_size - first] * block_size + positions % block_size
+        )
+        return slots
+
+
+def _check_no_hit(item: ScheduledRequest, where: str) -> None:
+    """Rejects a request whose hit fields the caller filled in.
+
+    NOTE: the wrapper owns the hits: it records each request's hit blocks and
+    their keys when it allocates them, and a caller's could name blocks the
+    request never adopted.
+    """
+    for name, value in (
+        ("hit_block_ids", item.hit_block_ids),
+        ("hit_block_keys", item.hit_block_keys),
+    ):
+        if not (isinstance(value, Sized) and len(value) == 0):
+            raise ValueError(
+                f"{where}.{name}: expected () (the wrapper fills in the hit it recorded), "
+                f"found {reprlib.repr(value)}"
+            )
 
 
 class _ReuseHook:
@@ -435,7 +490,7 @@ class OmniKVCacheManager:
 
     def write_outputs(
         self,
-        step: Sequence[StepRequest],
+        step: Sequence[ScheduledRequest],
         *,
         hidden_states: torch.Tensor | None = None,
         multimodal_outputs: Mapping[str, object] | None = None,
@@ -447,7 +502,7 @@ class OmniKVCacheManager:
         rows of deferred entries are staged until the request is freed.
 
         Args:
-            step: the step's requests in batch order.
+            step: the step's requests in batch order, their hit fields empty.
             hidden_states: ``(>= total new tokens, hidden)`` rows.
             multimodal_outputs: per-token outputs by name (see
                 `TensorStore.write_outputs` for what is cached).
@@ -457,8 +512,8 @@ class OmniKVCacheManager:
             The result of each entry written directly, by name.
 
         Raises:
-            ValueError, TypeError, IndexError: bad input; nothing is written
-                or staged.
+            ValueError, TypeError, IndexError: bad input (a request given with
+                a hit is a ValueError); nothing is written or staged.
         """
         slot_mapping, block_keys, scheduled = self._plan(step, with_hits=False)
         self._check_deferred(
@@ -479,7 +534,7 @@ class OmniKVCacheManager:
 
     def read_merged(
         self,
-        step: Sequence[StepRequest],
+        step: Sequence[ScheduledRequest],
         *,
         hidden_states: torch.Tensor | None = None,
         multimodal_outputs: Mapping[str, object] | None = None,
@@ -488,9 +543,10 @@ class OmniKVCacheManager:
     ) -> MergedRead:
         """Per request, its hit's stored rows followed by the step's rows.
 
-        A request's hit rows are included in the step that starts right after
-        its hit (``num_computed_tokens == num_hit_tokens``); other steps get
-        their own rows. See `TensorStore.read_merged` for ``out`` and
+        The step's requests come as in `write_outputs`, their hit fields
+        empty. A request's hit rows are included in the step that starts right
+        after its hit (``num_computed_tokens == num_hit_tokens``); other steps
+        get their own rows. See `TensorStore.read_merged` for ``out`` and
         ``strict``; a hit block that no longer holds its key makes the request
         a miss, never a stale read.
         """
@@ -513,7 +569,7 @@ class OmniKVCacheManager:
         return state
 
     def _plan(
-        self, step: Sequence[StepRequest], *, with_hits: bool
+        self, step: Sequence[ScheduledRequest], *, with_hits: bool
     ) -> tuple[npt.NDArray[np.int64], dict[int, BlockHash], list[ScheduledRequest]]:
         """Slots of the step's rows, the keys of the blocks they touch, and the store's view."""
         parts: list[npt.NDArray[np.int64]] = []
@@ -522,8 +578,8 @@ class OmniKVCacheManager:
         seen: set[str] = set()
         for index, item in enumerate(step):
             where = f"step[{index}]"
-            if not isinstance(item, StepRequest):
-                raise TypeError(f"{where}: expected a StepRequest, found {type_name(item)}")
+            if not isinstance(item, ScheduledRequest):
+                raise TypeError(f"{where}: expected ScheduledRequest, found {type_name(item)}")
             check_str(f"{where}.req_id", item.req_id)
             state = self._state(item.req_id, f"{where}.req_id")
             if item.req_id in seen:
@@ -531,52 +587,19 @@ class OmniKVCacheManager:
             seen.add(item.req_id)
             num_new = check_int(f"{where}.num_new_tokens", item.num_new_tokens, minimum=0)
             start = check_int(f"{where}.num_computed_tokens", item.num_computed_tokens, minimum=0)
+            _check_no_hit(item, where)
             if num_new:
-                parts.append(self._slots(state, start, num_new, block_keys, where))
+                parts.append(state.slots(start, num_new, self._block_size, block_keys, where))
             if with_hits and state.num_hit_tokens and start == state.num_hit_tokens:
                 scheduled.append(
-                    ScheduledRequest(
-                        item.req_id, num_new, start, state.hit_block_ids, state.hit_block_keys
+                    item._replace(
+                        hit_block_ids=state.hit_block_ids, hit_block_keys=state.hit_block_keys
                     )
                 )
             else:
-                scheduled.append(ScheduledRequest(item.req_id, num_new, start))
+                scheduled.append(item)
         slots = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         return slots, block_keys, scheduled
-
-    def _slots(
-        self,
-        state: _RequestState,
-        start: int,
-        num_new: int,
-        block_keys: dict[int, BlockHash],
-        where: str,
-    ) -> npt.NDArray[np.int64]:
-        block_size = self._block_size
-        blocks = state.blocks
-        stop = start + num_new
-        if stop > len(blocks) * block_size:
-            raise ValueError(
-                f"{where}: expected tokens below {len(blocks) * block_size} ({len(blocks)} "
-                f"blocks allocated), found tokens {start}..{stop - 1}"
-            )
-        first = start // block_size
-        last = (stop - 1) // block_size
-        block_ids = [block.block_id for block in blocks[first : last + 1]]
-        if _NULL_BLOCK_ID in block_ids:
-            raise RuntimeError(
-                f"{where}: tokens {start}..{stop - 1} map to vLLM's null block "
-                f"(block table {block_ids})"
-            )
-        hashes = state.request.block_hashes
-        for block in range(first, min(last + 1, len(hashes))):
-            block_keys[block_ids[block - first]] = hashes[block]
-        positions = np.arange(start, stop, dtype=np.int64)
-        ids = np.asarray(block_ids, dtype=np.int64)
-        slots: npt.NDArray[np.int64] = (
-            ids[positions // block_size - first] * block_size + positions % block_size
-        )
-        return slots
 
     def _check_deferred(
         self,
