@@ -114,6 +114,26 @@ def recompute(request: Any) -> dict[str, torch.Tensor]:
     return {"hidden_states": hidden, "codes": codes}
 
 
+def kv_cache_manager(num_blocks: int) -> Any:
+    """vLLM's manager of one full-attention group of ``num_blocks`` blocks, caching prefixes."""
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=["layer.0"], kv_cache_spec=spec)],
+    )
+    return KVCacheManager(
+        config,
+        max_model_len=1024,
+        scheduler_block_size=BLOCK_SIZE,
+        hash_block_size=BLOCK_SIZE,
+        enable_caching=True,
+        enable_kv_cache_events=True,
+    )
+
+
 class Harness:
     """vLLM's manager wrapped with a store, driven like vLLM's scheduler drives it."""
 
@@ -125,22 +145,9 @@ class Harness:
         require_stored_outputs: bool = True,
         tier: MemoryTier | None = None,
     ) -> None:
-        spec = FullAttentionSpec(
-            block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float16
-        )
-        config = KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(layer_names=["layer.0"], kv_cache_spec=spec)],
-        )
-        self.manager = KVCacheManager(
-            config,
-            max_model_len=1024,
-            scheduler_block_size=BLOCK_SIZE,
-            hash_block_size=BLOCK_SIZE,
-            enable_caching=True,
-            enable_kv_cache_events=True,
-        )
+        self.manager = kv_cache_manager(num_blocks)
+        # The pool's own collector, which the wrapper forwards to and detach restores.
+        self.collector = self.manager.block_pool.metrics_collector
         self.store = TensorStore(
             num_blocks, BLOCK_SIZE, hidden_size=HIDDEN, hidden_dtype=torch.float32, tier=tier
         )
@@ -465,10 +472,7 @@ def test_is_embed_annotates_only_embedding_runs() -> None:
     # Block 0 holds text and start markers only: the same for both images.
     assert red.block_hashes[0] == blue.block_hashes[0]
     assert red.block_hashes[1] != blue.block_hashes[1]
-    bad = PlaceholderRange(offset=8, length=32, is_embed=torch.tensor([True] * 31))
-    feature = MultiModalFeatureSpec(
-        data=None, modality="image", identifier=RED_HEX, mm_position=bad, mm_hash=RED_HEX
-    )
+    feature = image_feature(RED_HEX, 8, 32, is_embed=torch.tensor([True] * 31))
     with pytest.raises(
         ValueError, match=r"mm_features\[0\]\.mm_position\.is_embed: expected 32 flags .*found 31"
     ):
@@ -975,9 +979,8 @@ def test_wrapper_checks_manager_and_store_fit() -> None:
     h = Harness()
     with pytest.raises(ValueError, match=r"expected a manager not wrapped yet"):
         OmniKVCacheManager(h.manager, h.store)
-    original = h.wrapper._hook.inner
     h.wrapper.detach()
-    assert h.manager.block_pool.metrics_collector is original
+    assert h.manager.block_pool.metrics_collector is h.collector
     with pytest.raises(ValueError, match=r"store: expected block_size 16 .*found 8"):
         OmniKVCacheManager(h.manager, TensorStore(16, 8))
     with pytest.raises(ValueError, match=r"store: expected 16 blocks .*found 15"):
