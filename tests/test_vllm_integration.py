@@ -286,6 +286,8 @@ def test_content_identifier_rejects_what_it_cannot_hash() -> None:
         ValueError, match=r"modality: expected one of \('image', 'audio', 'video'\), found 'text'"
     ):
         content_identifier(RED, modality="text")
+    with pytest.raises(TypeError, match=r"^modality: expected str, found NoneType$"):
+        content_identifier(RED, modality=None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"expected for audio a \(waveform, sampling_rate\) tuple"):
         content_identifier(wave, modality="audio")
     with pytest.raises(ValueError, match=r"expected a 32-byte blake3 ContentHash, found 16 bytes"):
@@ -298,6 +300,13 @@ def test_multi_modal_uuids_lists_identifiers_per_modality() -> None:
     assert uuids == {"image": [RED_HEX, BLUE_HEX], "audio": [hash_audio(wave, 8_000).hex()]}
     with pytest.raises(ValueError, match=r"mm_data: expected modalities among .*found 'depth'"):
         multi_modal_uuids({"depth": RED})
+
+
+def test_adapter_id_needs_a_lora_name_and_path() -> None:
+    assert adapter_id(None) is None
+    assert adapter_id(SimpleNamespace(lora_name="a:b", lora_path="/w")) == '["a:b","/w"]'
+    with pytest.raises(TypeError, match=r"^lora_request\.lora_path: expected str, found NoneType$"):
+        adapter_id(SimpleNamespace(lora_name="style", lora_path=None))
 
 
 # -- block keys ------------------------------------------------------------------------
@@ -512,6 +521,13 @@ def test_identifier_forms_lora_prefix_and_client_uuids() -> None:
     assert uuid_request.block_hashes == omnicache_keys(
         prompt, [TokenRangeAnnotation(16, 32, digest, 0, 32)]
     )
+    # An identifier is a non-empty str.
+    with pytest.raises(
+        ValueError, match=r"^mm_features\[0\]\.identifier: expected a non-empty str, found ''$"
+    ):
+        h.request("e", prompt, [image_feature("", 16, 32)])
+    with pytest.raises(TypeError, match=r"^mm_features\[0\]\.identifier: expected str, found int$"):
+        h.request("i", prompt, [image_feature(7, 16, 32)])  # type: ignore[arg-type]
 
 
 @needs_vllm
