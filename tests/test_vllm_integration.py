@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import key
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -36,7 +37,7 @@ from omnicache.integrations.vllm import (
     make_request,
     multi_modal_uuids,
 )
-from omnicache.store import StaleBlockError, TensorStore
+from omnicache.store import ScheduledRequest, StaleBlockError, TensorStore
 from omnicache.tiers.base import value_key
 from omnicache.tiers.memory import MemoryTier
 
@@ -113,6 +114,26 @@ def recompute(request: Any) -> dict[str, torch.Tensor]:
     return {"hidden_states": hidden, "codes": codes}
 
 
+def kv_cache_manager(num_blocks: int) -> Any:
+    """vLLM's manager of one full-attention group of ``num_blocks`` blocks, caching prefixes."""
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=["layer.0"], kv_cache_spec=spec)],
+    )
+    return KVCacheManager(
+        config,
+        max_model_len=1024,
+        scheduler_block_size=BLOCK_SIZE,
+        hash_block_size=BLOCK_SIZE,
+        enable_caching=True,
+        enable_kv_cache_events=True,
+    )
+
+
 class Harness:
     """vLLM's manager wrapped with a store, driven like vLLM's scheduler drives it."""
 
@@ -124,22 +145,9 @@ class Harness:
         require_stored_outputs: bool = True,
         tier: MemoryTier | None = None,
     ) -> None:
-        spec = FullAttentionSpec(
-            block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float16
-        )
-        config = KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(layer_names=["layer.0"], kv_cache_spec=spec)],
-        )
-        self.manager = KVCacheManager(
-            config,
-            max_model_len=1024,
-            scheduler_block_size=BLOCK_SIZE,
-            hash_block_size=BLOCK_SIZE,
-            enable_caching=True,
-            enable_kv_cache_events=True,
-        )
+        self.manager = kv_cache_manager(num_blocks)
+        # The pool's own collector, which the wrapper forwards to and detach restores.
+        self.collector = self.manager.block_pool.metrics_collector
         self.store = TensorStore(
             num_blocks, BLOCK_SIZE, hidden_size=HIDDEN, hidden_dtype=torch.float32, tier=tier
         )
@@ -240,7 +248,10 @@ def test_module_imports_without_vllm_and_says_how_to_install(monkeypatch: Any) -
     # Undone after the test: the re-import below rebinds the package attribute too.
     monkeypatch.setattr(omnicache.integrations, "vllm", sys.modules["omnicache.integrations.vllm"])
     monkeypatch.setitem(sys.modules, "vllm", None)
-    monkeypatch.delitem(sys.modules, "omnicache.integrations.vllm")
+    # Every module of the package is imported afresh, with vLLM unimportable.
+    package = "omnicache.integrations.vllm"
+    for name in [name for name in sys.modules if name.startswith(package)]:
+        monkeypatch.delitem(sys.modules, name)
     module = importlib.import_module("omnicache.integrations.vllm")
     assert module.content_identifier(RED, modality="image") == RED_HEX
     with pytest.raises(ImportError, match=r"scripts/install-vllm-cpu\.sh") as info:
@@ -275,6 +286,8 @@ def test_content_identifier_rejects_what_it_cannot_hash() -> None:
         ValueError, match=r"modality: expected one of \('image', 'audio', 'video'\), found 'text'"
     ):
         content_identifier(RED, modality="text")
+    with pytest.raises(TypeError, match=r"^modality: expected str, found NoneType$"):
+        content_identifier(RED, modality=None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"expected for audio a \(waveform, sampling_rate\) tuple"):
         content_identifier(wave, modality="audio")
     with pytest.raises(ValueError, match=r"expected a 32-byte blake3 ContentHash, found 16 bytes"):
@@ -287,6 +300,13 @@ def test_multi_modal_uuids_lists_identifiers_per_modality() -> None:
     assert uuids == {"image": [RED_HEX, BLUE_HEX], "audio": [hash_audio(wave, 8_000).hex()]}
     with pytest.raises(ValueError, match=r"mm_data: expected modalities among .*found 'depth'"):
         multi_modal_uuids({"depth": RED})
+
+
+def test_adapter_id_needs_a_lora_name_and_path() -> None:
+    assert adapter_id(None) is None
+    assert adapter_id(SimpleNamespace(lora_name="a:b", lora_path="/w")) == '["a:b","/w"]'
+    with pytest.raises(TypeError, match=r"^lora_request\.lora_path: expected str, found NoneType$"):
+        adapter_id(SimpleNamespace(lora_name="style", lora_path=None))
 
 
 # -- block keys ------------------------------------------------------------------------
@@ -461,10 +481,7 @@ def test_is_embed_annotates_only_embedding_runs() -> None:
     # Block 0 holds text and start markers only: the same for both images.
     assert red.block_hashes[0] == blue.block_hashes[0]
     assert red.block_hashes[1] != blue.block_hashes[1]
-    bad = PlaceholderRange(offset=8, length=32, is_embed=torch.tensor([True] * 31))
-    feature = MultiModalFeatureSpec(
-        data=None, modality="image", identifier=RED_HEX, mm_position=bad, mm_hash=RED_HEX
-    )
+    feature = image_feature(RED_HEX, 8, 32, is_embed=torch.tensor([True] * 31))
     with pytest.raises(
         ValueError, match=r"mm_features\[0\]\.mm_position\.is_embed: expected 32 flags .*found 31"
     ):
@@ -504,6 +521,13 @@ def test_identifier_forms_lora_prefix_and_client_uuids() -> None:
     assert uuid_request.block_hashes == omnicache_keys(
         prompt, [TokenRangeAnnotation(16, 32, digest, 0, 32)]
     )
+    # An identifier is a non-empty str.
+    with pytest.raises(
+        ValueError, match=r"^mm_features\[0\]\.identifier: expected a non-empty str, found ''$"
+    ):
+        h.request("e", prompt, [image_feature("", 16, 32)])
+    with pytest.raises(TypeError, match=r"^mm_features\[0\]\.identifier: expected str, found int$"):
+        h.request("i", prompt, [image_feature(7, 16, 32)])  # type: ignore[arg-type]
 
 
 @needs_vllm
@@ -933,6 +957,34 @@ def test_rejected_calls_leave_store_and_manager_unchanged() -> None:
         )
     with pytest.raises(ValueError, match=r"step\[1\]: request 'a' listed twice"):
         h.wrapper.read_merged([StepRequest("a", 1, 0), StepRequest("a", 1, 1)])
+    with pytest.raises(
+        ValueError, match=r"^step\[0\]\.num_new_tokens: expected int >= 0, found -1$"
+    ):
+        h.wrapper.write_outputs([StepRequest("a", -1, 0)], hidden_states=rows["hidden_states"])
+    with pytest.raises(
+        TypeError, match=r"^step\[0\]\.num_computed_tokens: expected int, found bool$"
+    ):
+        h.wrapper.read_merged([StepRequest("a", 1, True)])
+    with pytest.raises(TypeError, match=r"^step\[0\]: expected ScheduledRequest, found tuple$"):
+        h.wrapper.read_merged([("a", 1, 0)])  # type: ignore[list-item]
+    # StepRequest is the store's ScheduledRequest, whose hit fields the
+    # wrapper owns: a request that brings its own hit is refused.
+    assert StepRequest is ScheduledRequest
+    with pytest.raises(ValueError) as info:
+        h.wrapper.read_merged([ScheduledRequest("a", 1, 0, [1], [request.block_hashes[0]])])
+    assert str(info.value) == (
+        "step[0].hit_block_ids: expected () (the wrapper fills in the hit it recorded), found [1]"
+    )
+    with pytest.raises(ValueError) as info:
+        h.wrapper.write_outputs(
+            [ScheduledRequest("a", 56, 0, hit_block_keys=(key(7),))],
+            hidden_states=rows["hidden_states"],
+            multimodal_outputs={"codes": rows["codes"]},
+        )
+    assert str(info.value) == (
+        "step[0].hit_block_keys: expected () (the wrapper fills in the hit it recorded), "
+        r"found (b'\x00\x00\x0...0\x00\x00\x07',)"
+    )
     assert h.store.stats == before
     assert not h.store.has_staged("a")
     assert h.store.stamp_of("hidden_states", 1) is None
@@ -943,9 +995,8 @@ def test_wrapper_checks_manager_and_store_fit() -> None:
     h = Harness()
     with pytest.raises(ValueError, match=r"expected a manager not wrapped yet"):
         OmniKVCacheManager(h.manager, h.store)
-    original = h.wrapper._hook.inner
     h.wrapper.detach()
-    assert h.manager.block_pool.metrics_collector is original
+    assert h.manager.block_pool.metrics_collector is h.collector
     with pytest.raises(ValueError, match=r"store: expected block_size 16 .*found 8"):
         OmniKVCacheManager(h.manager, TensorStore(16, 8))
     with pytest.raises(ValueError, match=r"store: expected 16 blocks .*found 15"):

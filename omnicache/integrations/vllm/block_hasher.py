@@ -1,0 +1,393 @@
+"""Block keys for vLLM requests: omnicache keys from tokens, multimodal items, salt and LoRA.
+
+`RequestBlockHasher` is a drop-in ``block_hasher`` for
+``vllm.v1.request.Request``: it returns the omnicache keys
+(`omnicache.block_hash.BlockHasher`) of the request's new full blocks, from
+its token ids and its ``mm_features``. `install_block_hasher` puts it into an
+``EngineCore``; `make_request` builds a bare ``Request`` with it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from hashing import DEFAULT_ALGORITHM, Algorithm, digest_size, hash_array, hash_identifier
+from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
+from omnicache.block_hash import DEFAULT_BLOCK_ALGORITHM, BlockHash, BlockHasher
+from omnicache.checks import check_bool, check_int, check_str, type_name
+from omnicache.integrations.vllm.common import require_vllm
+from omnicache.integrations.vllm.identifiers import UUID_NAMESPACE
+
+if TYPE_CHECKING:
+    from vllm.multimodal.inputs import MultiModalFeatureSpec
+    from vllm.v1.request import Request
+
+__all__ = ["RequestBlockHasher", "adapter_id", "install_block_hasher", "make_request"]
+
+# A content digest as `hashing` writes it: 16 (xxh3_128) or 32 bytes, lowercase hex.
+_HEX_DIGEST = re.compile(r"(?:[0-9a-f]{32}){1,2}")
+
+
+def adapter_id(lora_request: object | None, /) -> str | None:
+    """The adapter field of a request's keys: its LoRA name and path, or None.
+
+    ``json.dumps([lora_name, lora_path])``: a name and a path never run into
+    each other, and pointing a name at other weights changes the keys.
+    """
+    if lora_request is None:
+        return None
+    name = check_str("lora_request.lora_name", getattr(lora_request, "lora_name", None))
+    path = check_str("lora_request.lora_path", getattr(lora_request, "lora_path", None))
+    return json.dumps([name, path], ensure_ascii=False, separators=(",", ":"))
+
+
+def _embed_runs(is_embed: Any, length: int, where: str) -> list[tuple[int, int]]:
+    """``[start, stop)`` runs of the placeholder positions that receive embeddings."""
+    if is_embed is None:
+        return [(0, length)]
+    flags = is_embed.tolist() if hasattr(is_embed, "tolist") else list(is_embed)
+    if len(flags) != length:
+        raise ValueError(
+            f"{where}.mm_position.is_embed: expected {length} flags (one per placeholder "
+            f"token), found {len(flags)}"
+        )
+    runs: list[tuple[int, int]] = []
+    run_start = -1
+    for index, flag in enumerate(flags):
+        if flag:
+            if run_start < 0:
+                run_start = index
+        elif run_start >= 0:
+            runs.append((run_start, index))
+            run_start = -1
+    if run_start >= 0:
+        runs.append((run_start, length))
+    return runs
+
+
+def _clip_runs(
+    runs: Sequence[tuple[int, int]],
+    base: int,
+    length: int,
+    content_hash: bytes,
+    start: int,
+    stop: int,
+    out: list[TokenRangeAnnotation],
+) -> None:
+    """Appends the parts of ``runs`` (relative to token ``base``) inside ``[start, stop)``."""
+    for lo, hi in runs:
+        first = max(base + lo, start)
+        end = min(base + hi, stop)
+        if first < end:
+            out.append(
+                TokenRangeAnnotation(first - start, end - first, content_hash, first - base, length)
+            )
+
+
+class RequestBlockHasher:
+    """A drop-in ``block_hasher`` for ``vllm.v1.request.Request`` that returns omnicache keys.
+
+    vLLM calls it when a request is created and after every appended token,
+    and appends what it returns to ``request.block_hashes``; it returns the
+    keys of the full blocks that ``request.block_hashes`` does not cover yet
+    (usually none during decode, at the cost of one comparison), chained from
+    ``request.block_hashes[-1]``. The keys are exactly those of
+    `omnicache.block_hash.BlockHasher` over the request's tokens annotated
+    with its multimodal items:
+
+    - tokens: ``request.all_token_ids`` (prompt, then output tokens);
+    - per ``mm_features[i]``: ``TokenRangeAnnotation(offset, length, digest,
+      0, length)`` from its ``mm_position``, the digest being
+      ``bytes.fromhex(identifier)`` (a ``"<lora_name>:"`` prefix, which vLLM
+      adds for tower-connector LoRA, is dropped: the adapter is in the root).
+      An identifier that is not a 16- or 32-byte lowercase hex digest (a
+      client's uuid) is hashed with `hashing.hash_identifier` under
+      ``UUID_NAMESPACE/<modality>``, never used raw. When
+      ``mm_position.is_embed`` is given, only the runs of positions that
+      receive embeddings are annotated (each with its position in the
+      placeholder range): the other placeholder tokens (image breaks, start
+      and end markers) are ordinary tokens whose KV does not depend on the item;
+    - prompt embeddings (``request.prompt_embeds``): one item whose digest is
+      `hashing.hash_array` of the embeddings, over the positions they fill;
+    - the root: ``namespace`` (the model), ``request.cache_salt`` and the
+      request's LoRA (`adapter_id`), so tenants and adapters never share a
+      chain.
+
+    Args:
+        block_size: vLLM's hash block size.
+        algorithm: block key algorithm ("sha256" by default, see `BlockHasher`).
+        namespace: what the keys are for, such as the model id.
+        content_algorithm: algorithm of the digests this hasher makes itself
+            (client uuids, prompt embeddings).
+        max_roots: chain roots (one per salt and adapter) kept ready.
+        trust_hex_identifiers: take an identifier that reads as a hex digest
+            as that digest (True, the default: identifiers come from
+            `multi_modal_uuids` or vLLM's own hasher). Pass False where
+            clients may send ``multi_modal_uuids``: a client could otherwise
+            name another item's digest while sending different content, and
+            poison that item's blocks within its salt. Every identifier is
+            then hashed under ``UUID_NAMESPACE/<modality>`` (keys stay
+            deterministic, but no longer equal `BlockHasher` keys over the
+            content digests).
+    """
+
+    __slots__ = (
+        "_algorithm",
+        "_block_size",
+        "_content_algorithm",
+        "_hashers",
+        "_max_roots",
+        "_namespace",
+        "_trust_hex_identifiers",
+    )
+
+    def __init__(
+        self,
+        block_size: int,
+        *,
+        algorithm: Algorithm = DEFAULT_BLOCK_ALGORITHM,
+        namespace: str = "",
+        content_algorithm: Algorithm = DEFAULT_ALGORITHM,
+        max_roots: int = 1024,
+        trust_hex_identifiers: bool = True,
+    ) -> None:
+        base = BlockHasher(block_size, algorithm=algorithm, namespace=namespace)
+        check_bool("trust_hex_identifiers", trust_hex_identifiers)
+        digest_size(content_algorithm)  # ValueError for an unknown algorithm
+        check_int("max_roots", max_roots, minimum=1)
+        self._block_size = block_size
+        self._algorithm = algorithm
+        self._namespace = namespace
+        self._content_algorithm = content_algorithm
+        self._max_roots = max_roots
+        self._trust_hex_identifiers = trust_hex_identifiers
+        self._hashers: dict[tuple[str | None, str | None], BlockHasher] = {(None, None): base}
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def algorithm(self) -> Algorithm:
+        return self._algorithm
+
+    @property
+    def namespace(self) -> str:
+        return self._namespace
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestBlockHasher(block_size={self._block_size}, algorithm={self._algorithm!r}, "
+            f"namespace={self._namespace!r})"
+        )
+
+    def hasher_for(self, cache_salt: str | None, adapter: str | None) -> BlockHasher:
+        """The `BlockHasher` of one salt and adapter (kept, up to ``max_roots``)."""
+        key = (cache_salt, adapter)
+        hasher = self._hashers.get(key)
+        if hasher is None:
+            hasher = BlockHasher(
+                self._block_size,
+                algorithm=self._algorithm,
+                namespace=self._namespace,
+                cache_salt=cache_salt,
+                adapter=adapter,
+            )
+            if len(self._hashers) >= self._max_roots:
+                # Oldest first: a dropped root costs one digest to rebuild.
+                del self._hashers[next(iter(self._hashers))]
+            self._hashers[key] = hasher
+        return hasher
+
+    def __call__(self, request: Request) -> list[BlockHash]:
+        """Keys of the request's full blocks beyond ``request.block_hashes``."""
+        block_hashes = request.block_hashes
+        num_done = len(block_hashes)
+        block_size = self._block_size
+        num_tokens = request.num_tokens
+        if (num_done + 1) * block_size > num_tokens:
+            return []
+        start = num_done * block_size
+        stop = num_tokens - num_tokens % block_size
+        tokens = AnnotatedTokens(
+            request.all_token_ids[start:stop], self._annotations(request, start, stop)
+        )
+        hasher = self.hasher_for(request.cache_salt, adapter_id(request.lora_request))
+        return hasher.hash_blocks(tokens, parent=block_hashes[-1] if num_done else None)
+
+    def annotations(self, request: Request) -> tuple[TokenRangeAnnotation, ...]:
+        """The annotations of all of the request's tokens, as the keys cover them."""
+        return tuple(self._annotations(request, 0, request.num_tokens))
+
+    def _annotations(self, request: Request, start: int, stop: int) -> list[TokenRangeAnnotation]:
+        """Annotations overlapping tokens ``[start, stop)``, clipped and re-based to ``start``."""
+        out: list[TokenRangeAnnotation] = []
+        features = request.mm_features
+        if features:
+            last = features[-1].mm_position
+            # NOTE: decode windows lie past the last item: nothing to scan.
+            if last.offset + last.length > start:
+                self._feature_annotations(request, start, stop, out)
+        if request.prompt_embeds is not None and start < request.num_prompt_tokens:
+            self._embeds_annotations(request, start, stop, out)
+            out.sort(key=lambda annotation: annotation.token_index)
+        return out
+
+    def _feature_annotations(
+        self, request: Request, start: int, stop: int, out: list[TokenRangeAnnotation]
+    ) -> None:
+        lora = request.lora_request
+        lora_prefix = None if lora is None else f"{lora.lora_name}:"
+        num_tokens = request.num_tokens
+        prev_end = 0
+        for index, feature in enumerate(request.mm_features):
+            where = f"mm_features[{index}]"
+            position = feature.mm_position
+            offset = check_int(f"{where}.mm_position.offset", position.offset, minimum=0)
+            length = check_int(f"{where}.mm_position.length", position.length, minimum=1)
+            if offset < prev_end:
+                raise ValueError(
+                    f"{where}.mm_position: expected offset >= {prev_end} (features sorted by "
+                    f"offset, not overlapping), found {offset}"
+                )
+            end = offset + length
+            if end > num_tokens:
+                raise ValueError(
+                    f"{where}.mm_position: expected offset + length <= {num_tokens} (tokens of "
+                    f"the request), found {offset} + {length} = {end}"
+                )
+            prev_end = end
+            if end <= start or offset >= stop:
+                continue
+            runs = _embed_runs(position.is_embed, length, where)
+            content_hash = self._content_hash(feature, lora_prefix, where)
+            _clip_runs(runs, offset, length, content_hash, start, stop, out)
+
+    def _content_hash(self, feature: Any, lora_prefix: str | None, where: str) -> bytes:
+        identifier = check_str(f"{where}.identifier", feature.identifier, nonempty=True)
+        if self._trust_hex_identifiers and _HEX_DIGEST.fullmatch(identifier):
+            return bytes.fromhex(identifier)
+        if (
+            self._trust_hex_identifiers
+            and lora_prefix is not None
+            and identifier.startswith(lora_prefix)
+        ):
+            digest = identifier[len(lora_prefix) :]
+            if _HEX_DIGEST.fullmatch(digest):
+                return bytes.fromhex(digest)
+        modality = feature.modality
+        return hash_identifier(
+            identifier,
+            namespace=f"{UUID_NAMESPACE}/{modality}",
+            algorithm=self._content_algorithm,
+        )
+
+    def _embeds_annotations(
+        self, request: Request, start: int, stop: int, out: list[TokenRangeAnnotation]
+    ) -> None:
+        num_prompt = request.num_prompt_tokens
+        mask = request.prompt_is_token_ids
+        if mask is None:
+            runs = [(0, num_prompt)]
+        else:
+            # Positions filled from the embeddings are those that are not token ids.
+            runs = _embed_runs([not flag for flag in mask], num_prompt, "prompt_is_token_ids")
+        digest = hash_array(request.prompt_embeds, algorithm=self._content_algorithm)
+        _clip_runs(runs, 0, num_prompt, digest, start, stop, out)
+
+
+def install_block_hasher(
+    engine_core: Any,
+    /,
+    *,
+    namespace: str | None = None,
+    algorithm: Algorithm = DEFAULT_BLOCK_ALGORITHM,
+    content_algorithm: Algorithm = DEFAULT_ALGORITHM,
+    trust_hex_identifiers: bool = True,
+) -> RequestBlockHasher:
+    """Makes an ``EngineCore`` key its requests' blocks with omnicache keys.
+
+    Sets ``engine_core.request_block_hasher``, which the engine hands to every
+    ``Request`` it creates. Call it before the first request arrives.
+
+    Args:
+        engine_core: a ``vllm.v1.engine.core.EngineCore`` with prefix caching.
+        namespace: the keys' namespace; default the served model's id.
+        trust_hex_identifiers: see `RequestBlockHasher`; False for a server
+            that accepts clients' ``multi_modal_uuids``.
+
+    Returns:
+        The hasher installed.
+
+    Raises:
+        ValueError: prefix caching is off, or the engine uses lookahead block
+            hashes (EAGLE), which omnicache keys do not cover.
+        RuntimeError: the scheduler already holds requests keyed otherwise.
+    """
+    require_vllm()
+    from vllm.v1.engine.core import EngineCore
+
+    if not isinstance(engine_core, EngineCore):
+        raise TypeError(f"engine_core: expected an EngineCore, found {type_name(engine_core)}")
+    if engine_core.request_block_hasher is None:
+        raise ValueError(
+            "engine_core: expected prefix caching enabled (a request_block_hasher), found none"
+        )
+    vllm_config = engine_core.vllm_config
+    lookahead = vllm_config.num_hash_lookahead_tokens
+    if lookahead:
+        raise ValueError(
+            f"engine_core: expected num_hash_lookahead_tokens == 0 (omnicache keys cover a "
+            f"block's own tokens only), found {lookahead}"
+        )
+    scheduler = engine_core.scheduler
+    num_requests = len(getattr(scheduler, "requests", ()))
+    if num_requests:
+        raise RuntimeError(
+            f"engine_core: expected no requests yet, found {num_requests} keyed by the "
+            "previous block hasher"
+        )
+    hasher = RequestBlockHasher(
+        scheduler.hash_block_size,
+        algorithm=algorithm,
+        namespace=vllm_config.model_config.model if namespace is None else namespace,
+        content_algorithm=content_algorithm,
+        trust_hex_identifiers=trust_hex_identifiers,
+    )
+    engine_core.request_block_hasher = hasher
+    return hasher
+
+
+def make_request(
+    request_id: str,
+    prompt_token_ids: Sequence[int],
+    /,
+    block_hasher: Callable[[Request], list[BlockHash]] | None,
+    *,
+    mm_features: Sequence[MultiModalFeatureSpec] | None = None,
+    cache_salt: str | None = None,
+    lora_request: object | None = None,
+    max_tokens: int = 16,
+) -> Request:
+    """A bare vLLM ``Request`` (outside an engine) keyed by ``block_hasher``.
+
+    Its ``block_hashes`` are computed on creation and extended by
+    ``append_output_token_ids``, as inside the engine.
+    """
+    require_vllm()
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(prompt_token_ids),
+        sampling_params=SamplingParams(max_tokens=max_tokens),
+        pooling_params=None,
+        mm_features=None if mm_features is None else list(mm_features),
+        lora_request=lora_request,
+        cache_salt=cache_salt,
+        block_hasher=block_hasher,
+    )

@@ -1,0 +1,631 @@
+"""A vLLM ``KVCacheManager`` that keeps a `TensorStore` in step with its block ids.
+
+`OmniKVCacheManager` wraps a ``KVCacheManager``: lookups are capped to the
+blocks whose outputs are stored, a hit's hidden states and multimodal outputs
+are merged with the step's new rows, each allocated block's key stamps the
+rows written into it, every reuse of a block clears its stamps *before* the
+block is handed out, and a finished request's deferred outputs are committed.
+
+Why a wrapper around the manager and not a KV connector: a connector is
+built by the engine from its configuration by class name, so it cannot be
+handed a store, and its scheduler-side hooks are about tokens *it* supplies
+(``get_num_new_matched_tokens`` adds external tokens to vLLM's local hit but
+cannot shorten that hit). The wrapper can: its ``get_computed_blocks`` caps a
+hit to the blocks whose outputs are stored, so a hit never comes without its
+rows. The manager is also the one object that sees lookup, allocation and
+free for every request; the reuse of blocks is taken from its ``BlockPool``
+(below), which a connector would have to reach the same way. The wrapper
+forwards every other attribute to the manager, so it can stand where the
+scheduler keeps ``kv_cache_manager``.
+
+Evictions are taken synchronously from ``BlockPool.metrics_collector``: vLLM
+calls its ``on_block_evicted`` for every block it hands out (while the block
+still holds its old key) and ``reset`` when the prefix cache is reset. The
+wrapper installs a collector there that clears the block's stamps and then
+forwards to the collector that was there before. ``BlockRemoved`` events would
+arrive only at the next ``take_events()``, after the new owner may already
+have written the block. Keys dropped through ``evict_blocks`` (a connector
+reporting failed loads) pass through the same hook. vLLM's block 0 is its
+null block: it is never handed out, so the store's block 0 stays unused.
+"""
+
+from __future__ import annotations
+
+import reprlib
+from collections.abc import Mapping, Sequence, Sized
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from omnicache.block_hash import BlockHash
+from omnicache.checks import check_bool, check_int, check_str, type_name
+from omnicache.integrations.vllm.common import require_vllm
+from omnicache.store import HIDDEN_STATES, MergedRead, ScheduledRequest, TensorStore, WriteResult
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.request import Request
+
+__all__ = ["OmniKVCacheManager", "OmniStats", "StepRequest"]
+
+# vLLM keys its hash table by key + a 4-byte group id (BlockHashWithGroupId).
+_GROUP_ID_BYTES = 4
+
+_NULL_BLOCK_ID = 0
+
+
+StepRequest = ScheduledRequest
+"""The store's `ScheduledRequest`, under the name `OmniKVCacheManager` callers know.
+
+`OmniKVCacheManager.write_outputs` and `OmniKVCacheManager.read_merged` take
+one per request, in batch order, with ``hit_block_ids`` and ``hit_block_keys``
+left empty: the wrapper fills them in from the hit it recorded at allocation.
+"""
+
+
+@dataclass(slots=True)
+class OmniStats:
+    """Counters of an `OmniKVCacheManager` since construction."""
+
+    num_lookups: int = 0
+    # Blocks of prefix hits adopted by allocations.
+    num_hit_blocks: int = 0
+    # Blocks vLLM had cached but whose outputs the store lacked: recomputed.
+    num_capped_blocks: int = 0
+    # Blocks vLLM handed out again or whose key it dropped: stamps cleared.
+    num_cleared_blocks: int = 0
+    num_commits: int = 0
+    num_discards: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class _RequestState:
+    """What the wrapper records of a request, from its allocation to its free."""
+
+    request: Any
+    # The request's block table in vLLM (its own list, updated in place).
+    blocks: list[Any]
+    num_hit_tokens: int = 0
+    hit_block_ids: tuple[int, ...] = ()
+    hit_block_keys: tuple[BlockHash, ...] = ()
+
+    def slots(
+        self,
+        start: int,
+        num_new: int,
+        block_size: int,
+        block_keys: dict[int, BlockHash],
+        where: str,
+    ) -> npt.NDArray[np.int64]:
+        """Slots of the request's tokens ``[start, start + num_new)``, ``num_new > 0``.
+
+        Adds to ``block_keys`` the key of each full block those tokens touch.
+        """
+        blocks = self.blocks
+        stop = start + num_new
+        if stop > len(blocks) * block_size:
+            raise ValueError(
+                f"{where}: expected tokens below {len(blocks) * block_size} ({len(blocks)} "
+                f"blocks allocated), found tokens {start}..{stop - 1}"
+            )
+        first = start // block_size
+        last = (stop - 1) // block_size
+        block_ids = [block.block_id for block in blocks[first : last + 1]]
+        if _NULL_BLOCK_ID in block_ids:
+            raise RuntimeError(
+                f"{where}: tokens {start}..{stop - 1} map to vLLM's null block "
+                f"(block table {block_ids})"
+            )
+        hashes = self.request.block_hashes
+        for block in range(first, min(last + 1, len(hashes))):
+            block_keys[block_ids[block - first]] = hashes[block]
+        positions = np.arange(start, stop, dtype=np.int64)
+        ids = np.asarray(block_ids, dtype=np.int64)
+        slots: npt.NDArray[np.int64] = (
+            ids[positions // block_size - first] * block_size + positions % block_size
+        )
+        return slots
+
+
+def _check_no_hit(item: ScheduledRequest, where: str) -> None:
+    """Rejects a request whose hit fields the caller filled in.
+
+    NOTE: the wrapper owns the hits: it records each request's hit blocks and
+    their keys when it allocates them, and a caller's could name blocks the
+    request never adopted.
+    """
+    for name, value in (
+        ("hit_block_ids", item.hit_block_ids),
+        ("hit_block_keys", item.hit_block_keys),
+    ):
+        if not (isinstance(value, Sized) and len(value) == 0):
+            raise ValueError(
+                f"{where}.{name}: expected () (the wrapper fills in the hit it recorded), "
+                f"found {reprlib.repr(value)}"
+            )
+
+
+class _ReuseHook:
+    """Stands in for ``BlockPool.metrics_collector`` and forwards to the one it replaced.
+
+    vLLM calls ``on_block_evicted`` for each block it hands out, before the
+    block loses its key, and ``reset`` when the prefix cache is reset.
+    """
+
+    __slots__ = ("inner", "owner")
+
+    def __init__(self, owner: OmniKVCacheManager, inner: Any) -> None:
+        self.owner = owner
+        self.inner = inner
+
+    def on_block_evicted(self, block: Any) -> None:
+        self.owner._on_block_reused(block)
+        if self.inner is not None:
+            self.inner.on_block_evicted(block)
+
+    def reset(self) -> None:
+        self.owner._on_reset()
+        if self.inner is not None:
+            self.inner.reset()
+
+    def on_block_allocated(self, block: Any) -> None:
+        if self.inner is not None:
+            self.inner.on_block_allocated(block)
+
+    def on_block_accessed(self, block: Any) -> None:
+        if self.inner is not None:
+            self.inner.on_block_accessed(block)
+
+    def should_sample_block(self) -> bool:
+        return self.inner is not None and bool(self.inner.should_sample_block())
+
+    def drain_events(self) -> list[Any]:
+        return [] if self.inner is None else list(self.inner.drain_events())
+
+
+class OmniKVCacheManager:
+    """A vLLM ``KVCacheManager`` whose blocks carry stored outputs in a `TensorStore`.
+
+    Drive it as the scheduler drives the manager: ``get_computed_blocks``,
+    ``allocate_slots``, ``free`` (every other attribute is the manager's).
+    After each forward pass, `write_outputs` stores the step's hidden states
+    and per-token multimodal outputs in the request's blocks and
+    `read_merged` returns, per request, its hit's stored rows followed by the
+    step's rows.
+
+    Args:
+        manager: the vLLM manager, with prefix caching enabled.
+        store: a store with the manager's number of blocks and block size.
+        kv_cache_group_id: the full-attention KV cache group whose block ids
+            index the store.
+        require_stored_outputs: cap each prefix hit to the leading blocks
+            whose outputs the store holds for every registered entry, so that
+            a hit always comes with its rows (the rest is recomputed). Free
+            blocks found without their outputs lose their key in vLLM, so the
+            copies computed instead are found next time. Register entries
+            before serving: a new entry is missing from every stored block.
+
+    Raises:
+        TypeError, ValueError: a manager or store that does not fit.
+    """
+
+    __slots__ = (
+        "_aborted_statuses",
+        "_block_size",
+        "_group_id",
+        "_hook",
+        "_manager",
+        "_requests",
+        "_require_stored",
+        "_stats",
+        "_store",
+    )
+
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        store: TensorStore,
+        *,
+        kv_cache_group_id: int = 0,
+        require_stored_outputs: bool = True,
+    ) -> None:
+        require_vllm()
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+        from vllm.v1.request import RequestStatus
+
+        if not isinstance(manager, KVCacheManager):
+            raise TypeError(f"manager: expected a KVCacheManager, found {type_name(manager)}")
+        if not isinstance(store, TensorStore):
+            raise TypeError(f"store: expected a TensorStore, found {type_name(store)}")
+        if not manager.enable_caching:
+            raise ValueError("manager: expected enable_caching=True, found False")
+        groups = manager.kv_cache_config.kv_cache_groups
+        check_int("kv_cache_group_id", kv_cache_group_id, minimum=0, maximum=len(groups) - 1)
+        spec = groups[kv_cache_group_id].kv_cache_spec
+        if not isinstance(spec, FullAttentionSpec):
+            raise ValueError(
+                f"kv_cache_group_id: expected a full-attention group, found {type_name(spec)}"
+            )
+        pool = manager.block_pool
+        if spec.block_size != store.block_size or pool.hash_block_size != store.block_size:
+            raise ValueError(
+                f"store: expected block_size {spec.block_size} (vLLM's block size, hash block "
+                f"size {pool.hash_block_size}), found {store.block_size}"
+            )
+        if pool.num_gpu_blocks != store.num_blocks:
+            raise ValueError(
+                f"store: expected {pool.num_gpu_blocks} blocks (vLLM's, null block 0 included), "
+                f"found {store.num_blocks}"
+            )
+        if isinstance(pool.metrics_collector, _ReuseHook):
+            raise ValueError("manager: expected a manager not wrapped yet, found one wrapped")
+        check_bool("require_stored_outputs", require_stored_outputs)
+        self._manager = manager
+        self._store = store
+        self._group_id = kv_cache_group_id
+        self._block_size = store.block_size
+        self._require_stored = require_stored_outputs
+        self._requests: dict[str, _RequestState] = {}
+        self._stats = OmniStats()
+        self._aborted_statuses = frozenset(
+            (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
+        )
+        # NOTE: stamps can be trusted only while every reuse passes through
+        # this hook; from here on vLLM cannot hand out a block unseen.
+        self._hook = _ReuseHook(self, pool.metrics_collector)
+        pool.metrics_collector = self._hook
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_manager":
+            raise AttributeError(name)
+        return getattr(self._manager, name)
+
+    def __repr__(self) -> str:
+        return (
+            f"OmniKVCacheManager(num_blocks={self._store.num_blocks}, "
+            f"block_size={self._block_size}, num_requests={len(self._requests)})"
+        )
+
+    @property
+    def manager(self) -> KVCacheManager:
+        return self._manager
+
+    @property
+    def stats(self) -> OmniStats:
+        """A snapshot of the counters."""
+        return replace(self._stats)
+
+    @property
+    def store(self) -> TensorStore:
+        return self._store
+
+    def detach(self) -> None:
+        """Gives the manager its own metrics collector back and forgets the store's stamps.
+
+        NOTE: once detached, reuses are no longer seen, so no stamp can be
+        trusted: all are cleared.
+        """
+        pool = self._manager.block_pool
+        if pool.metrics_collector is not self._hook:
+            raise RuntimeError(
+                "manager: expected this wrapper's collector installed, found another"
+            )
+        pool.metrics_collector = self._hook.inner
+        self._store.invalidate_all()
+        self._requests.clear()
+
+    # -- vLLM's hooks -------------------------------------------------------------
+
+    def _on_block_reused(self, block: Any) -> None:
+        key = block.block_hash
+        self._store.on_block_evicted(
+            block.block_id,
+            BlockHash(b"" if key is None else bytes(key[:-_GROUP_ID_BYTES])),
+        )
+        self._stats.num_cleared_blocks += 1
+
+    def _on_reset(self) -> None:
+        self._store.invalidate_all()
+
+    # -- the manager's interface -----------------------------------------------------
+
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int]:
+        """vLLM's lookup, capped to the blocks whose outputs are stored (see the class)."""
+        blocks, num_hit, boundary = self._manager.get_computed_blocks(request, max_cache_hit_length)
+        blocks, num_hit = self._cap_hit(request, blocks, num_hit)
+        return blocks, num_hit, boundary
+
+    def get_computed_blocks_for_connector(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int, bool]:
+        """As ``get_computed_blocks`` for a scheduler with a KV connector."""
+        blocks, num_hit, boundary, diverged = self._manager.get_computed_blocks_for_connector(
+            request, max_cache_hit_length
+        )
+        blocks, num_hit = self._cap_hit(request, blocks, num_hit)
+        return blocks, num_hit, boundary, diverged
+
+    def _cap_hit(self, request: Request, blocks: Any, num_hit: int) -> tuple[Any, int]:
+        self._stats.num_lookups += 1
+        if num_hit == 0 or not self._require_stored or not self._store.entries:
+            return blocks, num_hit
+        num_blocks = num_hit // self._block_size
+        hit = blocks.blocks[self._group_id][:num_blocks]
+        keys = request.block_hashes[:num_blocks]
+        num_valid = self._store.probe([block.block_id for block in hit], keys)
+        if num_valid == num_blocks:
+            return blocks, num_hit
+        self._stats.num_capped_blocks += num_blocks - num_valid
+        # NOTE: a free block without its outputs can never serve a hit (only
+        # an owner writes rows), yet vLLM would keep finding it first among
+        # blocks that share its key, such as the copy this request is about
+        # to compute. Dropping its key lets the next lookup find the copy. A
+        # held block keeps its key: its owner may still commit deferred rows.
+        useless = {
+            block.block_id
+            for block, key in zip(hit[num_valid:], keys[num_valid:], strict=True)
+            if block.ref_cnt == 0 and not self._store.probe([block.block_id], [key])
+        }
+        if useless:
+            self._manager.evict_blocks(useless)
+        num_hit = num_valid * self._block_size
+        return self._manager.truncate_computed_blocks(blocks, num_hit), num_hit
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> KVCacheBlocks | None:
+        """vLLM's allocation; records the request's blocks and the hit it adopts.
+
+        The keys of the request's blocks are ``request.block_hashes``, block
+        for block; they stamp the rows `write_outputs` writes.
+        """
+        new_blocks = self._manager.allocate_slots(
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, *args, **kwargs
+        )
+        if new_blocks is None:
+            return None
+        request_id = request.request_id
+        state = self._requests.get(request_id)
+        if state is None or not state.blocks or request.num_computed_tokens == 0:
+            # NOTE: vLLM extends a request's block list in place until the
+            # request is freed, so the list fetched at admission stays its
+            # table while it runs.
+            table = self._manager.coordinator.get_blocks(request_id)[self._group_id]
+            if state is None:
+                state = _RequestState(request, table)
+                self._requests[request_id] = state
+            else:
+                state.blocks = table
+        if (
+            num_new_computed_tokens > 0
+            and new_computed_blocks is not None
+            and request.num_computed_tokens == 0
+        ):
+            num_blocks = num_new_computed_tokens // self._block_size
+            hit = new_computed_blocks.blocks[self._group_id][:num_blocks]
+            state.hit_block_ids = tuple(block.block_id for block in hit)
+            state.hit_block_keys = tuple(request.block_hashes[:num_blocks])
+            state.num_hit_tokens = num_blocks * self._block_size
+            self._stats.num_hit_blocks += num_blocks
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Commits the request's deferred outputs (drops them if it was aborted), then frees.
+
+        Raises:
+            ValueError: the staged rows do not fit the request's blocks; then
+                nothing is committed and nothing is freed.
+        """
+        self._finish(request)
+        self._manager.free(request)
+
+    def pop_blocks_for_free(self, request: Request) -> list[Any]:
+        """As `free`, for a scheduler that returns the blocks to the pool later."""
+        self._finish(request)
+        blocks: list[Any] = self._manager.pop_blocks_for_free(request)
+        return blocks
+
+    def _finish(self, request: Request) -> None:
+        request_id = request.request_id
+        state = self._requests.get(request_id)
+        if self._store.has_staged(request_id):
+            if request.status in self._aborted_statuses:
+                self._store.discard(request_id)
+                self._stats.num_discards += 1
+            else:
+                if state is None:
+                    raise RuntimeError(
+                        f"request {request_id!r}: staged outputs but no blocks recorded"
+                    )
+                block_ids = [block.block_id for block in state.blocks]
+                self._store.commit(request_id, block_ids, request.block_hashes[: len(block_ids)])
+                self._stats.num_commits += 1
+        self._requests.pop(request_id, None)
+
+    # -- outputs ----------------------------------------------------------------------
+
+    def num_hit_tokens(self, request_id: str) -> int:
+        """Tokens of the prefix hit the request adopted (0: none)."""
+        return self._state(request_id, "request_id").num_hit_tokens
+
+    def request_block_ids(self, request_id: str) -> list[int]:
+        """The request's block ids in vLLM's group, first block first."""
+        return [block.block_id for block in self._state(request_id, "request_id").blocks]
+
+    def request_block_keys(self, request_id: str) -> dict[int, BlockHash]:
+        """Block id -> key of each of the request's full blocks: the stamps its rows get."""
+        state = self._state(request_id, "request_id")
+        return {
+            block.block_id: key
+            for block, key in zip(state.blocks, state.request.block_hashes, strict=False)
+        }
+
+    def hit_outputs(
+        self, request_id: str, names: Sequence[str] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The stored rows of the request's hit blocks, by entry.
+
+        Raises:
+            StaleBlockError: a hit block no longer holds its key (an eviction
+                through ``evict_blocks`` while the request held it).
+        """
+        state = self._state(request_id, "request_id")
+        entries = self._store.entries if names is None else names
+        return {
+            name: self._store.read_blocks(name, state.hit_block_ids, state.hit_block_keys)
+            for name in entries
+        }
+
+    def write_outputs(
+        self,
+        step: Sequence[ScheduledRequest],
+        *,
+        hidden_states: torch.Tensor | None = None,
+        multimodal_outputs: Mapping[str, object] | None = None,
+        num_tokens_padded: int | None = None,
+    ) -> dict[str, WriteResult]:
+        """Stores one step's outputs in the blocks of its requests.
+
+        Each block a write completes is stamped with the request's key for it;
+        rows of deferred entries are staged until the request is freed.
+
+        Args:
+            step: the step's requests in batch order, their hit fields empty.
+            hidden_states: ``(>= total new tokens, hidden)`` rows.
+            multimodal_outputs: per-token outputs by name (see
+                `TensorStore.write_outputs` for what is cached).
+            num_tokens_padded: rows the model produced, padding included.
+
+        Returns:
+            The result of each entry written directly, by name.
+
+        Raises:
+            ValueError, TypeError, IndexError: bad input (a request given with
+                a hit is a ValueError); nothing is written or staged.
+        """
+        slot_mapping, block_keys, scheduled = self._plan(step, with_hits=False)
+        self._check_deferred(
+            sum(s.num_new_tokens for s in scheduled), hidden_states, multimodal_outputs
+        )
+        results = self._store.write_outputs(
+            slot_mapping,
+            hidden_states=hidden_states,
+            multimodal_outputs=multimodal_outputs,
+            block_keys=block_keys,
+            num_tokens_padded=num_tokens_padded,
+        )
+        if any(spec.deferred for spec in self._store.entries.values()):
+            self._store.stage_outputs(
+                scheduled, hidden_states=hidden_states, multimodal_outputs=multimodal_outputs
+            )
+        return results
+
+    def read_merged(
+        self,
+        step: Sequence[ScheduledRequest],
+        *,
+        hidden_states: torch.Tensor | None = None,
+        multimodal_outputs: Mapping[str, object] | None = None,
+        out: Mapping[str, torch.Tensor] | None = None,
+        strict: bool = False,
+    ) -> MergedRead:
+        """Per request, its hit's stored rows followed by the step's rows.
+
+        The step's requests come as in `write_outputs`, their hit fields
+        empty. A request's hit rows are included in the step that starts right
+        after its hit (``num_computed_tokens == num_hit_tokens``); other steps
+        get their own rows. See `TensorStore.read_merged` for ``out`` and
+        ``strict``; a hit block that no longer holds its key makes the request
+        a miss, never a stale read.
+        """
+        _, _, scheduled = self._plan(step, with_hits=True)
+        return self._store.read_merged(
+            scheduled,
+            hidden_states=hidden_states,
+            multimodal_outputs=multimodal_outputs,
+            out=out,
+            strict=strict,
+        )
+
+    def _state(self, request_id: str, what: str) -> _RequestState:
+        state = self._requests.get(request_id)
+        if state is None:
+            raise ValueError(
+                f"{what}: expected a request with allocated blocks, found {request_id!r} "
+                f"({len(self._requests)} requests allocated)"
+            )
+        return state
+
+    def _plan(
+        self, step: Sequence[ScheduledRequest], *, with_hits: bool
+    ) -> tuple[npt.NDArray[np.int64], dict[int, BlockHash], list[ScheduledRequest]]:
+        """Slots of the step's rows, the keys of the blocks they touch, and the store's view."""
+        parts: list[npt.NDArray[np.int64]] = []
+        block_keys: dict[int, BlockHash] = {}
+        scheduled: list[ScheduledRequest] = []
+        seen: set[str] = set()
+        for index, item in enumerate(step):
+            where = f"step[{index}]"
+            if not isinstance(item, ScheduledRequest):
+                raise TypeError(f"{where}: expected ScheduledRequest, found {type_name(item)}")
+            check_str(f"{where}.req_id", item.req_id)
+            state = self._state(item.req_id, f"{where}.req_id")
+            if item.req_id in seen:
+                raise ValueError(f"{where}: request {item.req_id!r} listed twice")
+            seen.add(item.req_id)
+            num_new = check_int(f"{where}.num_new_tokens", item.num_new_tokens, minimum=0)
+            start = check_int(f"{where}.num_computed_tokens", item.num_computed_tokens, minimum=0)
+            _check_no_hit(item, where)
+            if num_new:
+                parts.append(state.slots(start, num_new, self._block_size, block_keys, where))
+            if with_hits and state.num_hit_tokens and start == state.num_hit_tokens:
+                scheduled.append(
+                    item._replace(
+                        hit_block_ids=state.hit_block_ids, hit_block_keys=state.hit_block_keys
+                    )
+                )
+            else:
+                scheduled.append(item)
+        slots = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return slots, block_keys, scheduled
+
+    def _check_deferred(
+        self,
+        num_rows: int,
+        hidden_states: torch.Tensor | None,
+        multimodal_outputs: Mapping[str, object] | None,
+    ) -> None:
+        """Validates the deferred entries' rows before anything is written."""
+        specs = self._store.entries
+        outputs: dict[str, object] = dict(multimodal_outputs or {})
+        if hidden_states is not None:
+            outputs[HIDDEN_STATES] = hidden_states
+        for name, value in outputs.items():
+            spec = specs.get(name)
+            if spec is None or not spec.deferred:
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"outputs[{name!r}]: expected torch.Tensor, found {type_name(value)}"
+                )
+            if tuple(value.shape[1:]) != spec.row_shape or value.dtype != spec.dtype:
+                raise ValueError(
+                    f"outputs[{name!r}]: expected rows of shape (n, {spec.row_shape}) and "
+                    f"dtype {spec.dtype}, found {tuple(value.shape)} {value.dtype}"
+                )
+            if value.shape[0] < num_rows:
+                raise ValueError(
+                    f"outputs[{name!r}]: expected at least {num_rows} rows, found {value.shape[0]}"
+                )
