@@ -14,9 +14,9 @@ import torch
 from PIL import Image
 
 from hashing import hash_audio, hash_bytes, hash_image
-from omnicache import model as model_module
-from omnicache.cli import EXIT_BAD_INPUT, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, main
-from omnicache.workloads import read_wav, write_wav
+from omnicache.demo import model as model_module
+from omnicache.demo.cli import EXIT_BAD_INPUT, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, main
+from omnicache.demo.wav import read_wav, write_wav
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_TRACE = REPO / "examples" / "traces" / "sample.jsonl"

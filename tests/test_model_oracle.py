@@ -12,22 +12,12 @@ from PIL import Image
 from hashing import hash_audio, hash_image
 from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
 from omnicache.block_hash import BlockHash
-from omnicache.model import (
-    ATOL,
-    AUDIO_TOKEN_ID,
-    IMAGE_TOKEN_ID,
-    RTOL,
-    CacheConfig,
-    ModelConfig,
-    Processor,
-    Reference,
-    ServingEngine,
-    TinyOmniModel,
-    best_hit_tokens,
-    check_fits,
-    run_cached,
-)
-from omnicache.workloads import (
+from omnicache.demo.config import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID, CacheConfig, ModelConfig
+from omnicache.demo.engine import ServingEngine
+from omnicache.demo.model import TinyOmniModel
+from omnicache.demo.oracle import ATOL, RTOL, Reference, best_hit_tokens, check_fits, run_cached
+from omnicache.demo.processor import Processor
+from omnicache.demo.workloads import (
     AudioItem,
     ImageItem,
     Message,

@@ -12,7 +12,8 @@ import pytest
 from PIL import Image
 
 from hashing import hash_audio, hash_image
-from omnicache.workloads import (
+from omnicache.demo.wav import read_wav, write_wav
+from omnicache.demo.workloads import (
     SYSTEM_PROMPT,
     AudioItem,
     ImageItem,
@@ -21,9 +22,7 @@ from omnicache.workloads import (
     Trace,
     TraceError,
     load_trace,
-    read_wav,
     synthetic_trace,
-    write_wav,
 )
 
 SMALL = SyntheticConfig(num_requests=40, num_images=8, num_audio_clips=3)

@@ -1,11 +1,11 @@
 """The ``omnicache`` command: serve a multimodal workload through the cache, or hash media.
 
     omnicache demo [--quick] [--requests N] [--seed S]   the embedded synthetic trace
-    omnicache replay TRACE.jsonl                         a JSONL trace (omnicache.workloads)
+    omnicache replay TRACE.jsonl                         a JSONL trace (omnicache.demo.workloads)
     omnicache hash FILE...                               content digests of media files
 
 ``demo`` and ``replay`` compute every request twice, from scratch and through
-the prefix cache (`omnicache.model`), check that both give the same hidden
+the prefix cache (`omnicache.demo.engine`), check that both give the same hidden
 states and logits (``torch.allclose``, atol = rtol = 1e-5), and print a summary
 table. Options: ``--block-size``, ``--num-blocks``, ``--algorithm`` (content
 digests and block keys), ``--salt`` (mixed into every tenant's salt),
@@ -40,26 +40,13 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from hashing import ALGORITHMS, Algorithm, ContentHash, hash_audio, hash_bytes, hash_image
-from omnicache.model import (
-    ATOL,
-    RTOL,
-    CacheConfig,
-    ModelConfig,
-    Processor,
-    RunReport,
-    ServingEngine,
-    TinyOmniModel,
-    check_fits,
-    run_cached,
-)
-from omnicache.workloads import (
-    SyntheticConfig,
-    Trace,
-    TraceError,
-    load_trace,
-    read_wav,
-    synthetic_trace,
-)
+from omnicache.demo.config import CacheConfig, ModelConfig
+from omnicache.demo.engine import ServingEngine
+from omnicache.demo.model import TinyOmniModel
+from omnicache.demo.oracle import ATOL, RTOL, RunReport, check_fits, run_cached
+from omnicache.demo.processor import Processor
+from omnicache.demo.wav import read_wav
+from omnicache.demo.workloads import SyntheticConfig, Trace, TraceError, load_trace, synthetic_trace
 
 if TYPE_CHECKING:
     from omnicache.tiers.redis import RedisTier
@@ -182,7 +169,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "--quick", action="store_true", help="a small trace and model (a few seconds)"
     )
     _add_serve_options(demo)
-    replay = commands.add_parser("replay", help="serve a JSONL trace (see omnicache.workloads)")
+    replay = commands.add_parser(
+        "replay", help="serve a JSONL trace (see omnicache.demo.workloads)"
+    )
     replay.add_argument("trace", type=Path, metavar="TRACE.jsonl")
     replay.add_argument("--quick", action="store_true", help="use the small model")
     _add_serve_options(replay)
