@@ -31,7 +31,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, TextIO
@@ -108,14 +108,22 @@ class Progress:
 # -- demo and replay ------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, found {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, found {value}")
-    return value
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an int >= ``minimum`` (argparse names the option in its error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected int >= {minimum}, found {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected int >= {minimum}, found {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1)
 
 
 def _add_serve_options(parser: argparse.ArgumentParser) -> None:
@@ -164,7 +172,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "demo", help="serve the embedded synthetic trace through a small transformer"
     )
     demo.add_argument("--requests", type=_positive_int, help="requests in the synthetic trace")
-    demo.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
+    demo.add_argument(
+        "--seed", type=_int_at_least(0), default=0, help="seed of the synthetic trace"
+    )
     demo.add_argument(
         "--quick", action="store_true", help="a small trace and model (a few seconds)"
     )
@@ -508,8 +518,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg = QUICK_TRACE if args.quick else SyntheticConfig()
             if args.requests is not None:
                 cfg = replace(cfg, num_requests=args.requests)
-            if args.seed < 0:
-                raise _UsageError(f"--seed: expected an int >= 0, found {args.seed}")
             trace = synthetic_trace(cfg, seed=args.seed)
         else:
             trace = load_trace(args.trace)

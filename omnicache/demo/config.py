@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hashing import Algorithm
+from hashing import ALGORITHMS, Algorithm
 from omnicache.block_hash import DEFAULT_BLOCK_ALGORITHM
+from omnicache.checks import check_int, check_optional_str, check_str
 
 __all__ = [
     "AUDIO_TOKEN_ID",
@@ -56,8 +57,9 @@ class ModelConfig:
     name: str = "omnicache-tiny-omni"
 
     def __post_init__(self) -> None:
+        # Words need at least one id above the markers.
+        check_int("vocab_size", self.vocab_size, minimum=FIRST_WORD_ID + 1)
         for name in (
-            "vocab_size",
             "hidden_size",
             "num_layers",
             "num_heads",
@@ -66,11 +68,9 @@ class ModelConfig:
             "image_patch_size",
             "audio_frame_ms",
         ):
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"{name}: expected an int >= 1, found {value!r}")
-        if self.vocab_size <= FIRST_WORD_ID:
-            raise ValueError(f"vocab_size: expected > {FIRST_WORD_ID}, found {self.vocab_size}")
+            check_int(name, getattr(self, name), minimum=1)
+        check_int("seed", self.seed, minimum=0)
+        check_str("name", self.name, nonempty=True)
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size: expected a multiple of num_heads ({self.num_heads}), "
@@ -117,10 +117,14 @@ class CacheConfig:
     salt: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("num_blocks", "block_size"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"{name}: expected an int >= 1, found {value!r}")
+        check_int("num_blocks", self.num_blocks, minimum=1)
+        check_int("block_size", self.block_size, minimum=1)
+        algorithm = check_optional_str("algorithm", self.algorithm)
+        if algorithm is not None and algorithm not in ALGORITHMS:
+            raise ValueError(
+                f"algorithm: expected one of {', '.join(ALGORITHMS)} or None, found {algorithm!r}"
+            )
+        check_str("salt", self.salt)
 
     @property
     def block_algorithm(self) -> Algorithm:

@@ -52,6 +52,7 @@ import numpy as np
 import numpy.typing as npt
 from PIL import Image
 
+from omnicache.checks import check_int, check_number
 from omnicache.demo.wav import read_wav
 
 __all__ = [
@@ -234,15 +235,11 @@ class SyntheticConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_requests", "num_tenants", "num_images", "num_audio_clips", "max_turns"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"{name}: expected an int >= 1, found {value!r}")
+            check_int(name, getattr(self, name), minimum=1)
         for name in ("continue_probability", "audio_probability"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name}: expected a probability in [0, 1], found {value!r}")
-        if not self.zipf_a > 0.0:
-            raise ValueError(f"zipf_a: expected > 0, found {self.zipf_a!r}")
+            check_number(name, getattr(self, name), minimum=0.0, maximum=1.0)
+        if check_number("zipf_a", self.zipf_a) <= 0.0:
+            raise ValueError(f"zipf_a: expected a number > 0, found {self.zipf_a}")
 
 
 _TENANT_NAMES = ("acme", "globex", "initech", "umbrella", "hooli", "stark", "wayne", "tyrell")
@@ -324,8 +321,7 @@ def synthetic_trace(config: SyntheticConfig | None = None, *, seed: int = 0) -> 
         ``config.num_requests`` requests from ``config.num_tenants`` tenants.
     """
     cfg = SyntheticConfig() if config is None else config
-    if type(seed) is not int or seed < 0:
-        raise ValueError(f"seed: expected an int >= 0, found {seed!r}")
+    check_int("seed", seed, minimum=0)
     rng = np.random.default_rng(seed)
     tenants = [
         (_TENANT_NAMES[i % len(_TENANT_NAMES)] + ("" if i < len(_TENANT_NAMES) else f"-{i}"),
