@@ -30,6 +30,13 @@ def _row(out: str, name: str) -> str:
     return match.group(1)
 
 
+def _final_bar(err: str, label: str) -> str:
+    """The last frame tqdm drew for the bar ``label``, without its timings."""
+    frames = [f for f in err.replace("\n", "\r").split("\r") if f.startswith(f"{label}: ")]
+    assert frames, f"no bar {label!r} in:\n{err}"
+    return frames[-1].split(" [")[0]
+
+
 def test_quick_demo_prints_the_summary_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*QUICK, "--num-blocks", "40"]) == EXIT_OK
     captured = capsys.readouterr()
@@ -57,7 +64,9 @@ def test_options_reach_the_cache(capsys: pytest.CaptureFixture[str]) -> None:
     assert "x 8 tokens, block keys xxh3_128, content digests xxh3_128, with a deployment" in (
         captured.out
     )
-    assert "serving" in captured.err and "10/10" in captured.err
+    # --progress: a tqdm bar on stderr, left at 10/10 on its own line.
+    assert re.fullmatch(r"serving: 100%\|█+\| 10/10", _final_bar(captured.err, "serving"))
+    assert captured.err.endswith("\n")
 
 
 @pytest.mark.parametrize(

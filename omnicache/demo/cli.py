@@ -30,20 +30,21 @@ import argparse
 import logging
 import math
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, TextIO
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from PIL import Image, ImageDraw, ImageFont
+from tqdm import tqdm
 
 from hashing import ALGORITHMS, Algorithm, ContentHash, hash_audio, hash_bytes, hash_image
 from omnicache.demo.config import CacheConfig, ModelConfig
 from omnicache.demo.engine import ServingEngine
 from omnicache.demo.model import TinyOmniModel
-from omnicache.demo.oracle import ATOL, RTOL, RunReport, check_fits, run_cached
+from omnicache.demo.oracle import ATOL, RTOL, ProgressFn, RunReport, check_fits, run_cached
 from omnicache.demo.processor import Processor
 from omnicache.demo.wav import read_wav
 from omnicache.demo.workloads import SyntheticConfig, Trace, TraceError, load_trace, synthetic_trace
@@ -81,28 +82,15 @@ class _UsageError(Exception):
     pass
 
 
-class Progress:
-    """A one-line progress bar on a stream, redrawn at most every 0.1 s."""
+@contextmanager
+def _progress_bar(label: str, total: int, enabled: bool) -> Iterator[ProgressFn]:
+    """A tqdm bar on stderr (nothing when not ``enabled``), moved by `run_cached`'s calls."""
+    with tqdm(total=total, desc=label, unit="request", file=sys.stderr, disable=not enabled) as bar:
 
-    def __init__(self, stream: TextIO, label: str, enabled: bool) -> None:
-        self.stream = stream
-        self.label = label
-        self.enabled = enabled
-        self._last = 0.0
+        def progress(done: int, _total: int) -> None:
+            bar.update(done - bar.n)
 
-    def __call__(self, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if done < total and now - self._last < 0.1:
-            return
-        self._last = now
-        width = 30
-        filled = width * done // max(total, 1)
-        bar = "#" * filled + "-" * (width - filled)
-        end = "\n" if done >= total else ""
-        self.stream.write(f"\r{self.label:<22} [{bar}] {done}/{total}{end}")
-        self.stream.flush()
+        yield progress
 
 
 # -- demo and replay ------------------------------------------------------------
@@ -388,10 +376,8 @@ def _serve(args: argparse.Namespace, trace: Trace, model_config: ModelConfig) ->
     run_cached(model, Processor(model_config), first, cache_config, [])
     engine = None if tier is None else ServingEngine(model, processor, cache_config, tier=tier)
     try:
-        report = run_cached(
-            model, processor, trace, cache_config, [], Progress(sys.stderr, "serving", show),
-            engine=engine,
-        )  # fmt: skip
+        with _progress_bar("serving", trace.num_requests, show) as progress:
+            report = run_cached(model, processor, trace, cache_config, [], progress, engine=engine)
     finally:
         if tier is not None:
             # NOTE: the writes are behind: another engine sees them once flushed.
@@ -418,10 +404,11 @@ def _serve(args: argparse.Namespace, trace: Trace, model_config: ModelConfig) ->
             else:
                 # NOTE: fresh references, each computed next to its cached run:
                 # on a shared machine only paired timings are comparable.
-                result = run_cached(
-                    model, processor, trace, replace(cache_config, num_blocks=size), [],
-                    Progress(sys.stderr, f"{size} blocks", show),
-                )  # fmt: skip
+                with _progress_bar(f"{size} blocks", trace.num_requests, show) as progress:
+                    result = run_cached(
+                        model, processor, trace, replace(cache_config, num_blocks=size), [],
+                        progress,
+                    )  # fmt: skip
                 reports.append(result)
             sweep.append(result)
             print(f"  {size:>7}  {result.hit_rate:>8.1%}  {result.best_hit_rate:>6.1%}  "
