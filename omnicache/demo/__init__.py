@@ -11,5 +11,6 @@ reference integration. One idea per module, from the bottom up:
 - `omnicache.demo.engine`: `ServingEngine`, the reference integration of
   `PrefixCache`, `BlockPool` and `TensorStore`.
 - `omnicache.demo.oracle`: the run loop, checked against a full recompute.
+- `omnicache.demo.plot`: the ``--plot`` figure (matplotlib, the ``plot`` extra).
 - `omnicache.demo.cli`: the ``omnicache`` command (``python -m omnicache``).
 """
