@@ -1,5 +1,5 @@
 """``python -m omnicache``: the same command line as the ``omnicache`` script."""
 
-from omnicache.cli import main
+from omnicache.demo.cli import main
 
 raise SystemExit(main())

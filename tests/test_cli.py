@@ -11,12 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from matplotlib.figure import Figure
 from PIL import Image
 
 from hashing import hash_audio, hash_bytes, hash_image
-from omnicache import model as model_module
-from omnicache.cli import EXIT_BAD_INPUT, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, main
-from omnicache.workloads import read_wav, write_wav
+from omnicache.demo import model as model_module
+from omnicache.demo import plot as plot_module
+from omnicache.demo.cli import EXIT_BAD_INPUT, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, main
+from omnicache.demo.plot import draw_sweep
+from omnicache.demo.wav import read_wav, write_wav
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_TRACE = REPO / "examples" / "traces" / "sample.jsonl"
@@ -28,6 +31,13 @@ def _row(out: str, name: str) -> str:
     match = re.search(rf"^  {re.escape(name)}\s+(\S+)", out, re.MULTILINE)
     assert match is not None, f"no row {name!r} in:\n{out}"
     return match.group(1)
+
+
+def _final_bar(err: str, label: str) -> str:
+    """The last frame tqdm drew for the bar ``label``, without its timings."""
+    frames = [f for f in err.replace("\n", "\r").split("\r") if f.startswith(f"{label}: ")]
+    assert frames, f"no bar {label!r} in:\n{err}"
+    return frames[-1].split(" [")[0]
 
 
 def test_quick_demo_prints_the_summary_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
@@ -57,7 +67,9 @@ def test_options_reach_the_cache(capsys: pytest.CaptureFixture[str]) -> None:
     assert "x 8 tokens, block keys xxh3_128, content digests xxh3_128, with a deployment" in (
         captured.out
     )
-    assert "serving" in captured.err and "10/10" in captured.err
+    # --progress: a tqdm bar on stderr, left at 10/10 on its own line.
+    assert re.fullmatch(r"serving: 100%\|█+\| 10/10", _final_bar(captured.err, "serving"))
+    assert captured.err.endswith("\n")
 
 
 @pytest.mark.parametrize(
@@ -66,10 +78,11 @@ def test_options_reach_the_cache(capsys: pytest.CaptureFixture[str]) -> None:
         ([], r"the following arguments are required: COMMAND"),
         (["serve"], r"invalid choice: 'serve'"),
         (["demo", "--bogus"], r"unrecognized arguments: --bogus"),
-        (["demo", "--num-blocks", "0"], r"--num-blocks: expected an int >= 1, found 0"),
+        (["demo", "--num-blocks", "0"], r"--num-blocks: expected int >= 1, found 0"),
+        (["demo", "--requests", "many"], r"--requests: expected int >= 1, found 'many'"),
         (["demo", "--algorithm", "md5"], r"--algorithm: invalid choice: 'md5'"),
         (["demo", "--quick", "--num-blocks", "2"], r"num_blocks: expected at least \d+ "),
-        (["demo", "--seed", "-1"], r"--seed: expected an int >= 0, found -1"),
+        (["demo", "--seed", "-1"], r"--seed: expected int >= 0, found -1"),
         (["replay"], r"the following arguments are required: TRACE.jsonl"),
         (["hash"], r"the following arguments are required: FILE"),
     ],
@@ -141,20 +154,84 @@ def test_a_bad_trace_exits_3_naming_the_line_and_serves_nothing(
 
 
 def test_plot_sweeps_cache_sizes_and_writes_a_png(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    drawn: list[plot_module.SweepPlot] = []
+
+    def recorded(plot: plot_module.SweepPlot) -> Figure:
+        drawn.append(plot)
+        return draw_sweep(plot)
+
+    monkeypatch.setattr(plot_module, "draw_sweep", recorded)
     out_png = tmp_path / "sweep.png"
-    assert main([*QUICK, "--num-blocks", "30", "--plot", str(out_png)]) == EXIT_OK
-    out = capsys.readouterr().out
-    sweep = re.findall(r"^\s+(\d+)\s+([\d.]+)%\s+([\d.]+)%.*\s(\d+)$", out, re.MULTILINE)
+    argv = [*QUICK, "--num-blocks", "30", "--plot", str(out_png), "--progress"]
+    assert main(argv) == EXIT_OK
+    captured = capsys.readouterr()
+    out = captured.out
+    sweep = re.findall(
+        r"^\s+(\d+)\s+([\d.]+)%\s+([\d.]+)%\s+([\d.]+) s\s+([\d.]+) s.*\s(\d+)$", out, re.MULTILINE
+    )
     sizes = [int(row[0]) for row in sweep]
     assert len(sizes) >= 5
     assert sizes == sorted(sizes) and 30 in sizes
-    assert all(row[3] == "0" for row in sweep)  # no mismatch at any size
+    assert all(row[5] == "0" for row in sweep)  # no mismatch at any size
     hit_rates = [float(row[1]) for row in sweep]
     assert hit_rates[-1] == float(sweep[-1][2])  # the largest pool reaches the best
+    assert f"plot written to {out_png}" in out
+    # The figure shows the table's numbers: one point per size, in order.
+    [plot] = drawn
+    assert plot.title == "omnicache demo: synthetic(seed=0, requests=10)"
+    assert plot.sizes == tuple(sizes)
+    hit, best = plot.panels[0].series
+    cached, reference = plot.panels[1].series
+    assert [f"{v:.1f}" for v in hit.values] == [row[1] for row in sweep]
+    assert [f"{v:.1f}" for v in best.values] == [row[2] for row in sweep]
+    assert [f"{v:.2f}" for v in reference.values] == [row[3] for row in sweep]
+    assert [f"{v:.2f}" for v in cached.values] == [row[4] for row in sweep]
     with Image.open(out_png) as image:
         assert (image.format, image.size) == ("PNG", (1000, 420))
+    # A bar per rerun size; the chosen size is the "serving" run.
+    for size in sizes:
+        label = "serving" if size == 30 else f"{size} blocks"
+        assert re.fullmatch(rf"{label}: 100%\|█+\| 10/10", _final_bar(captured.err, label))
+
+
+def test_plot_without_matplotlib_is_a_one_line_usage_error_before_serving(
+    tmp_path: Path,
+) -> None:
+    out_png = tmp_path / "sweep.png"
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "from omnicache.demo.cli import main\n"
+        f"raise SystemExit(main(['demo', '--quick', '--plot', {str(out_png)!r}]))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=REPO,
+    )
+    assert (result.returncode, result.stdout) == (EXIT_USAGE, "")
+    assert result.stderr == (
+        "omnicache: error: --plot needs matplotlib, which is not installed: "
+        "pip install 'omnicache-mm[plot]'\n"
+    )
+    assert not out_png.exists()
+
+
+def test_plot_into_a_missing_folder_is_a_usage_error_before_serving(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_png = tmp_path / "absent" / "sweep.png"
+    assert main([*QUICK, "--plot", str(out_png)]) == EXIT_USAGE
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("usage: omnicache")
+    assert captured.err.endswith(
+        f"omnicache: error: --plot: expected a file in an existing folder, found {out_png}\n"
+    )
 
 
 def test_hash_prints_content_digests_of_images_and_wav(

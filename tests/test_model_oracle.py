@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -12,22 +14,12 @@ from PIL import Image
 from hashing import hash_audio, hash_image
 from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
 from omnicache.block_hash import BlockHash
-from omnicache.model import (
-    ATOL,
-    AUDIO_TOKEN_ID,
-    IMAGE_TOKEN_ID,
-    RTOL,
-    CacheConfig,
-    ModelConfig,
-    Processor,
-    Reference,
-    ServingEngine,
-    TinyOmniModel,
-    best_hit_tokens,
-    check_fits,
-    run_cached,
-)
-from omnicache.workloads import (
+from omnicache.demo.config import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID, CacheConfig, ModelConfig
+from omnicache.demo.engine import ServingEngine
+from omnicache.demo.model import TinyOmniModel
+from omnicache.demo.oracle import ATOL, RTOL, Reference, best_hit_tokens, check_fits, run_cached
+from omnicache.demo.processor import Processor
+from omnicache.demo.workloads import (
     AudioItem,
     ImageItem,
     Message,
@@ -329,8 +321,17 @@ def test_check_fits_names_the_prompt_that_cannot_fit(model: TinyOmniModel) -> No
 
 
 def test_configs_reject_bad_values() -> None:
-    with pytest.raises(ValueError, match=r"num_blocks: expected an int >= 1, found 0"):
+    with pytest.raises(ValueError, match=r"^num_blocks: expected int >= 1, found 0$"):
         CacheConfig(num_blocks=0)
+    with pytest.raises(ValueError, match=r"^vocab_size: expected int >= 17, found 16$"):
+        ModelConfig(vocab_size=16)
+    with pytest.raises(ValueError, match=r"^seed: expected int >= 0, found -1$"):
+        ModelConfig(seed=-1)
+    with pytest.raises(ValueError, match=r"^name: expected a non-empty str, found ''$"):
+        ModelConfig(name="")
+    expected = "algorithm: expected one of blake3, sha256, xxh3_128 or None, found 'md5'"
+    with pytest.raises(ValueError, match=rf"^{re.escape(expected)}$"):
+        CacheConfig(algorithm="md5")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"hidden_size: expected a multiple of num_heads"):
         ModelConfig(hidden_size=30, num_heads=4)
     with pytest.raises(ValueError, match=r"image_patch_size: expected a multiple of 8"):
@@ -367,3 +368,21 @@ def test_a_fully_cached_block_aligned_prompt_recomputes_only_its_last_block(
     )  # fmt: skip
     assert third.num_hit_tokens == num_tokens - BLOCK_SIZE
     assert third.ok
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: ModelConfig(num_layers=2.0), "num_layers: expected int, found float"),
+        (lambda: ModelConfig(hidden_size="64"), "hidden_size: expected int, found str"),
+        (lambda: ModelConfig(seed=None), "seed: expected int, found NoneType"),
+        (lambda: ModelConfig(name=b"tiny"), "name: expected str, found bytes"),
+        (lambda: CacheConfig(block_size=True), "block_size: expected int, found bool"),
+        (lambda: CacheConfig(algorithm=3), "algorithm: expected str or None, found int"),
+        (lambda: CacheConfig(salt=None), "salt: expected str, found NoneType"),
+    ],
+)
+def test_configs_reject_bad_types(make: Callable[[], object], message: str) -> None:
+    with pytest.raises(TypeError) as caught:
+        make()
+    assert (type(caught.value), str(caught.value)) == (TypeError, message)

@@ -23,14 +23,14 @@ import redis
 import torch
 from redis_server import RedisServer, start_cluster
 
-from omnicache import cli
 from omnicache.block_hash import BlockHash
-from omnicache.model import Processor
+from omnicache.demo import cli
+from omnicache.demo.processor import Processor
+from omnicache.demo.workloads import synthetic_trace
 from omnicache.store import EntrySpec, TensorStore, TierBlock
 from omnicache.tiers import codec
 from omnicache.tiers.base import value_key
 from omnicache.tiers.redis import RedisTier
-from omnicache.workloads import synthetic_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 BS = 4
@@ -431,11 +431,14 @@ def test_unreachable_at_start_is_only_misses(namespace: str) -> None:
 
 _ENGINE = """
 import json, sys
-from omnicache.cli import QUICK_MODEL, QUICK_TRACE
-from omnicache.model import CacheConfig, Processor, ServingEngine, TinyOmniModel, run_cached
+from omnicache.demo.cli import QUICK_MODEL, QUICK_TRACE
+from omnicache.demo.config import CacheConfig
+from omnicache.demo.engine import ServingEngine
+from omnicache.demo.model import TinyOmniModel
+from omnicache.demo.oracle import run_cached
+from omnicache.demo.processor import Processor
+from omnicache.demo.workloads import synthetic_trace
 from omnicache.tiers.redis import RedisTier
-from omnicache.workloads import synthetic_trace
-from omnicache.workloads import synthetic_trace
 
 url, namespace = sys.argv[1], sys.argv[2]
 trace = synthetic_trace(QUICK_TRACE, seed=3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import wave
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,8 @@ import pytest
 from PIL import Image
 
 from hashing import hash_audio, hash_image
-from omnicache.workloads import (
+from omnicache.demo.wav import read_wav, write_wav
+from omnicache.demo.workloads import (
     SYSTEM_PROMPT,
     AudioItem,
     ImageItem,
@@ -21,9 +23,7 @@ from omnicache.workloads import (
     Trace,
     TraceError,
     load_trace,
-    read_wav,
     synthetic_trace,
-    write_wav,
 )
 
 SMALL = SyntheticConfig(num_requests=40, num_images=8, num_audio_clips=3)
@@ -113,12 +113,37 @@ def test_each_turn_extends_the_previous_turn_of_its_conversation() -> None:
 
 
 def test_bad_synthetic_config_is_rejected() -> None:
-    with pytest.raises(ValueError, match=r"num_requests: expected an int >= 1, found 0"):
+    with pytest.raises(ValueError, match=r"^num_requests: expected int >= 1, found 0$"):
         SyntheticConfig(num_requests=0)
-    with pytest.raises(ValueError, match=r"continue_probability: expected a probability"):
+    with pytest.raises(
+        ValueError, match=r"^continue_probability: expected a number in \[0.0, 1.0\], found 1.5$"
+    ):
         SyntheticConfig(continue_probability=1.5)
-    with pytest.raises(ValueError, match=r"seed: expected an int >= 0, found -1"):
+    with pytest.raises(ValueError, match=r"^seed: expected int >= 0, found -1$"):
         synthetic_trace(SMALL, seed=-1)
+    with pytest.raises(ValueError, match=r"^zipf_a: expected a number > 0, found 0.0$"):
+        SyntheticConfig(zipf_a=0.0)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: SyntheticConfig(num_images=8.0), "num_images: expected int, found float"),
+        (lambda: SyntheticConfig(max_turns=True), "max_turns: expected int, found bool"),
+        (
+            lambda: SyntheticConfig(audio_probability="0.5"),
+            "audio_probability: expected a number, found str",
+        ),
+        (lambda: SyntheticConfig(zipf_a=None), "zipf_a: expected a number, found NoneType"),
+        (lambda: synthetic_trace(SMALL, seed=1.0), "seed: expected int, found float"),
+    ],
+)
+def test_bad_synthetic_config_types_are_type_errors(
+    make: Callable[[], object], message: str
+) -> None:
+    with pytest.raises(TypeError) as caught:
+        make()
+    assert (type(caught.value), str(caught.value)) == (TypeError, message)
 
 
 # -- WAV ------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from omnicache.workloads import write_wav
+from omnicache.demo.wav import write_wav
 
 
 def _image(

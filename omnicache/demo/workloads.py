@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import json
 import re
-import wave
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +51,9 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 from PIL import Image
+
+from omnicache.checks import check_int, check_number
+from omnicache.demo.wav import read_wav
 
 __all__ = [
     "AUDIO_MARKER",
@@ -68,9 +70,7 @@ __all__ = [
     "TraceError",
     "TraceRequest",
     "load_trace",
-    "read_wav",
     "synthetic_trace",
-    "write_wav",
 ]
 
 IMAGE_MARKER = "<image>"
@@ -185,72 +185,6 @@ class TraceError(ValueError):
         self.line_number = line_number
 
 
-# -- WAV files ------------------------------------------------------------------
-
-
-def read_wav(path: str | Path) -> tuple[FloatArray, int]:
-    """Reads a PCM WAV file with the standard library.
-
-    Returns:
-        ``(waveform, sample_rate)``: float32 samples in [-1, 1], shaped
-        ``(samples,)`` for mono and ``(channels, samples)`` otherwise.
-
-    Raises:
-        ValueError: Not a PCM WAV file, an unsupported sample width, or no samples.
-        OSError: The file cannot be read.
-    """
-    try:
-        with wave.open(str(path), "rb") as wav:
-            num_channels = wav.getnchannels()
-            width = wav.getsampwidth()
-            sample_rate = wav.getframerate()
-            raw = wav.readframes(wav.getnframes())
-    except (wave.Error, EOFError) as exc:
-        raise ValueError(f"expected a PCM WAV file, found an unreadable one ({exc})") from None
-    if width == 1:
-        samples = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128.0) / 128.0
-    elif width == 2:
-        samples = np.frombuffer(raw, "<i2").astype(np.float32) / 32768.0
-    elif width == 3:
-        b = np.frombuffer(raw, np.uint8).reshape(-1, 3).astype(np.int32)
-        ints = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
-        ints = np.where(ints >= 1 << 23, ints - (1 << 24), ints)
-        samples = ints.astype(np.float32) / float(1 << 23)
-    elif width == 4:
-        samples = (np.frombuffer(raw, "<i4").astype(np.float64) / 2.0**31).astype(np.float32)
-    else:
-        raise ValueError(f"expected 1, 2, 3 or 4 bytes per sample, found {width}")
-    num_frames = samples.size // num_channels
-    if num_frames == 0:
-        raise ValueError("expected at least one sample, found none")
-    frames = samples[: num_frames * num_channels].reshape(num_frames, num_channels)
-    waveform = frames[:, 0].copy() if num_channels == 1 else np.ascontiguousarray(frames.T)
-    return waveform, sample_rate
-
-
-def write_wav(path: str | Path, waveform: npt.ArrayLike, sample_rate: int) -> None:
-    """Writes float samples in [-1, 1] as a 16-bit PCM WAV file.
-
-    Args:
-        path: Output file.
-        waveform: ``(samples,)`` or ``(channels, samples)``; values are clipped.
-        sample_rate: Samples per second.
-    """
-    data = np.asarray(waveform, dtype=np.float64)
-    if data.ndim == 1:
-        data = data[None, :]
-    if data.ndim != 2 or data.shape[1] == 0:
-        raise ValueError(
-            f"waveform: expected (samples,) or (channels, samples), found shape {data.shape}"
-        )
-    ints = np.round(np.clip(data, -1.0, 1.0) * 32767.0).astype("<i2")
-    with wave.open(str(path), "wb") as wav:
-        wav.setnchannels(data.shape[0])
-        wav.setsampwidth(2)
-        wav.setframerate(sample_rate)
-        wav.writeframes(np.ascontiguousarray(ints.T).tobytes())
-
-
 # -- synthetic traces -------------------------------------------------------------
 
 SYSTEM_PROMPT = (
@@ -301,15 +235,11 @@ class SyntheticConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_requests", "num_tenants", "num_images", "num_audio_clips", "max_turns"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"{name}: expected an int >= 1, found {value!r}")
+            check_int(name, getattr(self, name), minimum=1)
         for name in ("continue_probability", "audio_probability"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name}: expected a probability in [0, 1], found {value!r}")
-        if not self.zipf_a > 0.0:
-            raise ValueError(f"zipf_a: expected > 0, found {self.zipf_a!r}")
+            check_number(name, getattr(self, name), minimum=0.0, maximum=1.0)
+        if check_number("zipf_a", self.zipf_a) <= 0.0:
+            raise ValueError(f"zipf_a: expected a number > 0, found {self.zipf_a}")
 
 
 _TENANT_NAMES = ("acme", "globex", "initech", "umbrella", "hooli", "stark", "wayne", "tyrell")
@@ -391,8 +321,7 @@ def synthetic_trace(config: SyntheticConfig | None = None, *, seed: int = 0) -> 
         ``config.num_requests`` requests from ``config.num_tenants`` tenants.
     """
     cfg = SyntheticConfig() if config is None else config
-    if type(seed) is not int or seed < 0:
-        raise ValueError(f"seed: expected an int >= 0, found {seed!r}")
+    check_int("seed", seed, minimum=0)
     rng = np.random.default_rng(seed)
     tenants = [
         (_TENANT_NAMES[i % len(_TENANT_NAMES)] + ("" if i < len(_TENANT_NAMES) else f"-{i}"),

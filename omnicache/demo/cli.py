@@ -1,25 +1,28 @@
 """The ``omnicache`` command: serve a multimodal workload through the cache, or hash media.
 
     omnicache demo [--quick] [--requests N] [--seed S]   the embedded synthetic trace
-    omnicache replay TRACE.jsonl                         a JSONL trace (omnicache.workloads)
+    omnicache replay TRACE.jsonl                         a JSONL trace (omnicache.demo.workloads)
     omnicache hash FILE...                               content digests of media files
 
 ``demo`` and ``replay`` compute every request twice, from scratch and through
-the prefix cache (`omnicache.model`), check that both give the same hidden
+the prefix cache (`omnicache.demo.engine`), check that both give the same hidden
 states and logits (``torch.allclose``, atol = rtol = 1e-5), and print a summary
 table. Options: ``--block-size``, ``--num-blocks``, ``--algorithm`` (content
 digests and block keys), ``--salt`` (mixed into every tenant's salt),
 ``--plot out.png`` (hit rate and time against cache size, from reruns at
-several ``--num-blocks``), ``--progress`` (progress bar even when stderr is
-not a terminal), ``--threads``, and ``--redis URL`` with
-``--redis-namespace NS``: share blocks with other engine processes through a
-Redis server (`omnicache.tiers.redis`; a second run, or a run in another
-process, gets hits for what the first one computed).
+several ``--num-blocks``; drawn with matplotlib, the ``plot`` extra),
+``--progress`` (a tqdm progress bar even when stderr is not a terminal),
+``--threads``, and ``--redis URL`` with ``--redis-namespace NS``: share
+blocks with other engine processes through a Redis server
+(`omnicache.tiers.redis`; a second run, or a run in another process, gets
+hits for what the first one computed).
 
 Exit status:
     0  success: every request matched its recompute, no stale read
     1  a mismatch or a stale read (the table says which requests)
-    2  usage error: a bad option or value (also a pool too small for a prompt)
+    2  usage error: a bad option or value (also a pool too small for a prompt,
+       or --plot without matplotlib: one line says what to install, and
+       nothing is served)
     3  bad input: a malformed trace (the message names the line) or an
        unreadable, unknown or missing file given to ``hash``
 """
@@ -28,38 +31,25 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import sys
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, TextIO
+from typing import TYPE_CHECKING
 
 import torch
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image
+from tqdm import tqdm
 
 from hashing import ALGORITHMS, Algorithm, ContentHash, hash_audio, hash_bytes, hash_image
-from omnicache.model import (
-    ATOL,
-    RTOL,
-    CacheConfig,
-    ModelConfig,
-    Processor,
-    RunReport,
-    ServingEngine,
-    TinyOmniModel,
-    check_fits,
-    run_cached,
-)
-from omnicache.workloads import (
-    SyntheticConfig,
-    Trace,
-    TraceError,
-    load_trace,
-    read_wav,
-    synthetic_trace,
-)
+from omnicache.demo.config import CacheConfig, ModelConfig
+from omnicache.demo.engine import ServingEngine
+from omnicache.demo.model import TinyOmniModel
+from omnicache.demo.oracle import ATOL, RTOL, ProgressFn, RunReport, check_fits, run_cached
+from omnicache.demo.processor import Processor
+from omnicache.demo.wav import read_wav
+from omnicache.demo.workloads import SyntheticConfig, Trace, TraceError, load_trace, synthetic_trace
 
 if TYPE_CHECKING:
     from omnicache.tiers.redis import RedisTier
@@ -89,46 +79,56 @@ _BYTES_MODALITY = {
     ".avi": "video",
 }
 
+# What --plot needs, and how to get it.
+_PLOT_EXTRA = "--plot needs matplotlib, which is not installed: pip install 'omnicache-mm[plot]'"
+
+# Saves a sweep's figure: (path, a report per cache size, title).
+PlotWriter = Callable[[Path, Sequence[RunReport], str], None]
+
 
 class _UsageError(Exception):
-    pass
+    """A bad option or value: exit status 2, after the usage unless ``show_usage`` is False."""
+
+    def __init__(self, message: str, *, show_usage: bool = True) -> None:
+        super().__init__(message)
+        self.show_usage = show_usage
 
 
-class Progress:
-    """A one-line progress bar on a stream, redrawn at most every 0.1 s."""
+@contextmanager
+def _progress_bar(label: str, total: int, enabled: bool) -> Iterator[ProgressFn]:
+    """A tqdm bar on stderr (nothing when not ``enabled``), moved by `run_cached`'s calls."""
+    with tqdm(total=total, desc=label, unit="request", file=sys.stderr, disable=not enabled) as bar:
 
-    def __init__(self, stream: TextIO, label: str, enabled: bool) -> None:
-        self.stream = stream
-        self.label = label
-        self.enabled = enabled
-        self._last = 0.0
+        def progress(done: int, _total: int) -> None:
+            bar.update(done - bar.n)
 
-    def __call__(self, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if done < total and now - self._last < 0.1:
-            return
-        self._last = now
-        width = 30
-        filled = width * done // max(total, 1)
-        bar = "#" * filled + "-" * (width - filled)
-        end = "\n" if done >= total else ""
-        self.stream.write(f"\r{self.label:<22} [{bar}] {done}/{total}{end}")
-        self.stream.flush()
+        yield progress
+
+
+def _show_progress(args: argparse.Namespace) -> bool:
+    """Progress bars on stderr: asked for with --progress, or stderr is a terminal."""
+    return bool(args.progress or sys.stderr.isatty())
 
 
 # -- demo and replay ------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, found {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, found {value}")
-    return value
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an int >= ``minimum`` (argparse names the option in its error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected int >= {minimum}, found {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected int >= {minimum}, found {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1)
 
 
 def _add_serve_options(parser: argparse.ArgumentParser) -> None:
@@ -177,12 +177,16 @@ def _build_parser() -> argparse.ArgumentParser:
         "demo", help="serve the embedded synthetic trace through a small transformer"
     )
     demo.add_argument("--requests", type=_positive_int, help="requests in the synthetic trace")
-    demo.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
+    demo.add_argument(
+        "--seed", type=_int_at_least(0), default=0, help="seed of the synthetic trace"
+    )
     demo.add_argument(
         "--quick", action="store_true", help="a small trace and model (a few seconds)"
     )
     _add_serve_options(demo)
-    replay = commands.add_parser("replay", help="serve a JSONL trace (see omnicache.workloads)")
+    replay = commands.add_parser(
+        "replay", help="serve a JSONL trace (see omnicache.demo.workloads)"
+    )
     replay.add_argument("trace", type=Path, metavar="TRACE.jsonl")
     replay.add_argument("--quick", action="store_true", help="use the small model")
     _add_serve_options(replay)
@@ -297,80 +301,70 @@ def _sweep_sizes(longest: int, block_size: int, num_distinct: int, chosen: int) 
     return sorted(sizes)
 
 
-class _Series(NamedTuple):
-    name: str
-    color: str
-    values: list[float]
+def _plot_writer(path: Path) -> PlotWriter:
+    """`omnicache.demo.plot.write_sweep_png`, checked before anything is served.
+
+    Raises:
+        _UsageError: matplotlib is not installed (one line, no usage), or
+            ``path``'s folder does not exist.
+    """
+    try:
+        from omnicache.demo.plot import write_sweep_png
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] != "matplotlib":
+            raise
+        raise _UsageError(_PLOT_EXTRA, show_usage=False) from None
+    if not path.parent.is_dir():
+        raise _UsageError(f"--plot: expected a file in an existing folder, found {path}")
+    return write_sweep_png
 
 
-class _Panel(NamedTuple):
-    """A plot panel: log-scaled cache sizes across, ``[y_min, y_max]`` up."""
+def _sweep(
+    args: argparse.Namespace,
+    model: TinyOmniModel,
+    processor: Processor,
+    trace: Trace,
+    cache_config: CacheConfig,
+    report: RunReport,
+    longest: int,
+) -> list[RunReport]:
+    """Reruns the trace at several cache sizes and prints a row per size.
 
-    label: str
-    left: int
-    right: int
-    top: int
-    bottom: int
-    y_max: float
-    series: list[_Series]
-
-    def xy(self, size: int, value: float, log_lo: float, log_span: float) -> tuple[float, float]:
-        x = self.left + (self.right - self.left) * (math.log(size) - log_lo) / log_span
-        y = self.bottom - (self.bottom - self.top) * value / (self.y_max or 1.0)
-        return x, y
-
-
-def _draw_plot(path: Path, reports: Sequence[RunReport], title: str) -> None:
-    """Hit rate and time against cache size, in two panels, with Pillow only."""
-    width, height = 1000, 420
-    image = Image.new("RGB", (width, height), "white")
-    draw = ImageDraw.Draw(image)
-    font = ImageFont.load_default()
-    draw.text((20, 10), title, fill="black", font=font)
-    sizes = [r.num_blocks for r in reports]
-    log_lo = math.log(min(sizes))
-    log_span = (math.log(max(sizes)) - log_lo) or 1.0
-    max_seconds = max(max(r.seconds_cached, r.seconds_reference) for r in reports)
-    top, bottom, half = 60, height - 60, width // 2
-    panels = [
-        _Panel("hit rate (%) vs cache size (blocks, log scale)", 70, half - 40, top, bottom, 100.0,
-               [_Series("with this cache", "#1f77b4", [100 * r.hit_rate for r in reports]),
-                _Series("best possible (infinite cache)", "#999999",
-                        [100 * r.best_hit_rate for r in reports])]),
-        _Panel("serving time (s) vs cache size (blocks, log scale)", half + 70, width - 40, top,
-               bottom, 1.1 * max_seconds,
-               [_Series("with cache", "#ff7f0e", [r.seconds_cached for r in reports]),
-                _Series("without cache", "#999999", [r.seconds_reference for r in reports])]),
-    ]  # fmt: skip
-    for panel in panels:
-        left = panel.left
-        draw.text((left, top - 22), panel.label, fill="black", font=font)
-        draw.line([(left, top), (left, bottom), (panel.right, bottom)], fill="black")
-        for k in range(5):
-            value = panel.y_max * k / 4
-            _, y = panel.xy(sizes[0], value, log_lo, log_span)
-            draw.line([(left - 4, y), (left, y)], fill="black")
-            draw.text((left - 45, y - 6), f"{value:.3g}", fill="black", font=font)
-        for size in sizes:
-            x, _ = panel.xy(size, 0.0, log_lo, log_span)
-            draw.line([(x, bottom), (x, bottom + 4)], fill="black")
-            draw.text((x - 10, bottom + 8), str(size), fill="black", font=font)
-        for rank, series in enumerate(panel.series):
-            points = [
-                panel.xy(size, value, log_lo, log_span)
-                for size, value in zip(sizes, series.values, strict=True)
-            ]
-            if len(points) > 1:
-                draw.line(points, fill=series.color, width=2)
-            for x, y in points:
-                draw.ellipse([(x - 3, y - 3), (x + 3, y + 3)], fill=series.color)
-            key_y = bottom + 26 + 14 * rank
-            draw.rectangle([(left + 10, key_y), (left + 20, key_y + 8)], fill=series.color)
-            draw.text((left + 26, key_y - 2), series.name, fill="black", font=font)
-    image.save(path, format="PNG")
+    Returns:
+        A report per size, smallest first; ``report`` stands for ``args.num_blocks``.
+    """
+    sizes = _sweep_sizes(longest, args.block_size, report.num_distinct_blocks, args.num_blocks)
+    print()
+    print("cache size sweep (--plot):")
+    print(f"  {'blocks':>7}  {'hit rate':>8}  {'best':>6}  {'without':>9}  {'with cache':>10}  "
+          f"{'speedup':>7}  {'evictions':>9}  {'mismatches':>10}")  # fmt: skip
+    if args.redis is not None:
+        print("  (without the Redis tier: each size is served by its local cache alone)")
+    sweep: list[RunReport] = []
+    for size in sizes:
+        if size == args.num_blocks:
+            result = report
+        else:
+            # NOTE: fresh references, each computed next to its cached run:
+            # on a shared machine only paired timings are comparable.
+            with _progress_bar(f"{size} blocks", trace.num_requests, _show_progress(args)) as bar:
+                result = run_cached(
+                    model, processor, trace, replace(cache_config, num_blocks=size), [], bar
+                )
+        sweep.append(result)
+        print(f"  {size:>7}  {result.hit_rate:>8.1%}  {result.best_hit_rate:>6.1%}  "
+              f"{result.seconds_reference:>7.2f} s  {result.seconds_cached:>8.2f} s  "
+              f"{result.speedup:>6.2f}x  "
+              f"{result.num_evictions:>9}  {result.num_mismatches:>10}")  # fmt: skip
+    return sweep
 
 
-def _serve(args: argparse.Namespace, trace: Trace, model_config: ModelConfig) -> int:
+def _serve(
+    args: argparse.Namespace,
+    trace: Trace,
+    model_config: ModelConfig,
+    write_plot: PlotWriter | None,
+) -> int:
     torch.set_num_threads(args.threads)
     algorithm: Algorithm | None = args.algorithm
     model = TinyOmniModel(model_config)
@@ -383,16 +377,13 @@ def _serve(args: argparse.Namespace, trace: Trace, model_config: ModelConfig) ->
     except ValueError as exc:
         raise _UsageError(str(exc)) from None
     tier = _redis_tier(args) if args.redis is not None else None
-    show = bool(args.progress or sys.stderr.isatty())
     # Warm-up (not counted): first calls pay for lazy imports and allocator growth.
     first = Trace(trace.name, trace.requests[:1])
     run_cached(model, Processor(model_config), first, cache_config, [])
     engine = None if tier is None else ServingEngine(model, processor, cache_config, tier=tier)
     try:
-        report = run_cached(
-            model, processor, trace, cache_config, [], Progress(sys.stderr, "serving", show),
-            engine=engine,
-        )  # fmt: skip
+        with _progress_bar("serving", trace.num_requests, _show_progress(args)) as progress:
+            report = run_cached(model, processor, trace, cache_config, [], progress, engine=engine)
     finally:
         if tier is not None:
             # NOTE: the writes are behind: another engine sees them once flushed.
@@ -404,32 +395,10 @@ def _serve(args: argparse.Namespace, trace: Trace, model_config: ModelConfig) ->
         for line in _tier_summary(args, tier, report):
             print(line)
     reports = [report]
-    if args.plot is not None:
-        sizes = _sweep_sizes(longest, args.block_size, report.num_distinct_blocks, args.num_blocks)
-        print()
-        print("cache size sweep (--plot):")
-        print(f"  {'blocks':>7}  {'hit rate':>8}  {'best':>6}  {'without':>9}  {'with cache':>10}  "
-              f"{'speedup':>7}  {'evictions':>9}  {'mismatches':>10}")  # fmt: skip
-        if tier is not None:
-            print("  (without the Redis tier: each size is served by its local cache alone)")
-        sweep: list[RunReport] = []
-        for size in sizes:
-            if size == args.num_blocks:
-                result = report
-            else:
-                # NOTE: fresh references, each computed next to its cached run:
-                # on a shared machine only paired timings are comparable.
-                result = run_cached(
-                    model, processor, trace, replace(cache_config, num_blocks=size), [],
-                    Progress(sys.stderr, f"{size} blocks", show),
-                )  # fmt: skip
-                reports.append(result)
-            sweep.append(result)
-            print(f"  {size:>7}  {result.hit_rate:>8.1%}  {result.best_hit_rate:>6.1%}  "
-                  f"{result.seconds_reference:>7.2f} s  {result.seconds_cached:>8.2f} s  "
-                  f"{result.speedup:>6.2f}x  "
-                  f"{result.num_evictions:>9}  {result.num_mismatches:>10}")  # fmt: skip
-        _draw_plot(args.plot, sweep, f"omnicache {args.command}: {trace.name}")
+    if write_plot is not None:
+        sweep = _sweep(args, model, processor, trace, cache_config, report, longest)
+        reports += [r for r in sweep if r is not report]
+        write_plot(args.plot, sweep, f"omnicache {args.command}: {trace.name}")
         print(f"plot written to {args.plot}")
     failed = [r for r in reports if not r.ok]
     if failed:
@@ -515,18 +484,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "hash":
             return _hash(args)
+        write_plot = None if args.plot is None else _plot_writer(args.plot)
         if args.command == "demo":
             cfg = QUICK_TRACE if args.quick else SyntheticConfig()
             if args.requests is not None:
                 cfg = replace(cfg, num_requests=args.requests)
-            if args.seed < 0:
-                raise _UsageError(f"--seed: expected an int >= 0, found {args.seed}")
             trace = synthetic_trace(cfg, seed=args.seed)
         else:
             trace = load_trace(args.trace)
-        return _serve(args, trace, QUICK_MODEL if args.quick else ModelConfig())
+        return _serve(args, trace, QUICK_MODEL if args.quick else ModelConfig(), write_plot)
     except _UsageError as exc:
-        parser.print_usage(sys.stderr)
+        if exc.show_usage:
+            parser.print_usage(sys.stderr)
         print(f"omnicache: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except TraceError as exc:
