@@ -24,7 +24,8 @@ LAYERS = [
     ["omnicache.store"],
     # Beside the store: it knows them only through BlockTier.
     ["omnicache.tiers"],
-    ["omnicache.model", "omnicache.workloads", "omnicache.cli", "omnicache.__main__"],
+    # The demo application: drives the layers above as a user would.
+    ["omnicache.demo", "omnicache.__main__"],
     ["omnicache.integrations"],
 ]
 
@@ -102,7 +103,7 @@ def test_store_names_resolve_lazily() -> None:
 def test_the_store_knows_no_tier_and_no_redis() -> None:
     code = (
         "import sys\n"
-        "import omnicache, omnicache.store, omnicache.model, omnicache.tiers\n"
+        "import omnicache, omnicache.store, omnicache.demo.engine, omnicache.tiers\n"
         "print(sorted(m for m in sys.modules if m == 'redis' or m.startswith('omnicache.tiers')))\n"
     )
     result = subprocess.run(
