@@ -29,7 +29,7 @@ H2 = b"\x02" * 32
 
 
 def reference_clip(ann: TokenRangeAnnotation, start: int, end: int) -> TokenRangeAnnotation | None:
-    """The clip rule of DESIGN.md, written independently of the library."""
+    """The clip rule of docs/architecture.md, written independently of the library."""
     lo = max(start, ann.token_index)
     hi = min(end, ann.token_index + ann.token_count)
     if lo >= hi:

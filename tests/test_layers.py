@@ -1,4 +1,4 @@
-"""The architecture rules of DESIGN.md, checked on the source itself."""
+"""The architecture rules of docs/architecture.md, checked on the source itself."""
 
 from __future__ import annotations
 
@@ -110,3 +110,26 @@ def test_the_store_knows_no_tier_and_no_redis() -> None:
         [sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True
     )
     assert result.stdout.strip() == "['omnicache.tiers']"
+
+
+# A module past about this many lines, or a class past about this many, holds
+# more than one idea (docs/architecture.md).
+MAX_MODULE_LINES = 700
+MAX_CLASS_LINES = 450
+
+
+def test_rooms_hold_one_idea() -> None:
+    too_big = []
+    for package in ("hashing", "omnicache"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            text = path.read_text()
+            num_lines = len(text.splitlines())
+            if num_lines > MAX_MODULE_LINES:
+                too_big.append(f"{_module_name(path)}: {num_lines} lines")
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, ast.ClassDef):
+                    assert node.end_lineno is not None
+                    size = node.end_lineno - node.lineno + 1
+                    if size > MAX_CLASS_LINES:
+                        too_big.append(f"{_module_name(path)}.{node.name}: {size} lines")
+    assert too_big == []
