@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from store_helpers import Snapshot as StoreSnapshot
+from store_helpers import snapshot as store_snapshot
 
 from hashing import (
     ContentHash,
@@ -119,17 +121,12 @@ class Snapshot(NamedTuple):
     prompts: tuple[object, ...]
     # Length of the token buffers the prompts share with their extensions.
     buffer_lengths: tuple[int, ...]
-    store_bytes: dict[str, bytes]
-    stamps: dict[str, list[object]]
-    filled: dict[str, list[int]]
-    entries: object
-    store_stats: object
-    staged: dict[str, dict[str, list[tuple[int, bytes]]]]
+    # Rows, stamps, fill counts, entries, counters and staged rows.
+    store: StoreSnapshot
 
 
 def snapshot(world: World) -> Snapshot:
     pool, cache, store = world.pool, world.cache, world.store
-    store.synchronize()
     return Snapshot(
         free_queue=[b.block_id for b in pool.free_block_queue],
         table={k: b.block_id for k, b in pool.hash_to_block.items()},
@@ -151,18 +148,7 @@ def snapshot(world: World) -> Snapshot:
         cache_stats=cache.stats(),
         prompts=tuple((p.tolist(), p.annotations) for p in (world.done, world.live)),
         buffer_lengths=tuple(len(p._buf) for p in (world.done, world.live)),
-        store_bytes={name: e.cache.cpu().numpy().tobytes() for name, e in store._entries.items()},
-        stamps={name: list(e.stamps) for name, e in store._entries.items()},
-        filled={name: e.filled.tolist() for name, e in store._entries.items()},
-        entries=store.entries,
-        store_stats=store.stats,
-        staged={
-            rid: {
-                name: [(start, chunk.cpu().numpy().tobytes()) for start, chunk in chunks]
-                for name, chunks in per.items()
-            }
-            for rid, per in store._staged.items()
-        },
+        store=store_snapshot(store),
     )
 
 

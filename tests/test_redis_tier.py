@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import redis
 import torch
+from helpers import key
 from redis_server import RedisServer, start_cluster
 
 from omnicache import cli
-from omnicache.block_hash import BlockHash
 from omnicache.model import Processor
 from omnicache.store import EntrySpec, TensorStore, TierBlock
 from omnicache.tiers import codec
@@ -43,10 +43,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def key(i: int) -> BlockHash:
-    return BlockHash(i.to_bytes(4, "big") * 8)
 
 
 def rows(i: int) -> torch.Tensor:

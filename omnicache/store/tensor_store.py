@@ -1,0 +1,631 @@
+"""`TensorStore`: the store's one public class, which owns entries and counters and delegates."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from omnicache.block_hash import BlockHash
+from omnicache.store import outputs as step_outputs
+from omnicache.store import slots as slot_cuts
+from omnicache.store.blocks import (
+    block_id_array,
+    check_block_id,
+    check_block_keys,
+    hit_blocks,
+    request_spans,
+)
+from omnicache.store.copies import sync
+from omnicache.store.entries import (
+    Entry,
+    check_rows,
+    empty_rows,
+    make_layout,
+    make_spec,
+    new_entry,
+)
+from omnicache.store.reads import Reader, num_valid
+from omnicache.store.specs import (
+    HIDDEN_STATES,
+    EntrySpec,
+    MergedRead,
+    ScheduledRequest,
+    StoreCapacityError,
+    StoreStats,
+    WriteResult,
+    describe,
+)
+from omnicache.store.staging import Chunk, Staging
+from omnicache.store.tier import BlockTier, TierBridge, check_tier
+from omnicache.store.writes import Writer
+
+
+class _EvictionSource(Protocol):
+    num_blocks: int
+    block_size: int
+
+    def add_eviction_listener(self, callback: Any) -> None: ...
+
+    def remove_eviction_listener(self, callback: Any) -> None: ...
+
+
+class TensorStore:
+    """Per-block tensors for named entries, stamped with the key they hold.
+
+    Args:
+        num_blocks: Number of blocks, as in the block pool.
+        block_size: Tokens per block, as in the block pool.
+        device: ``"cpu"`` or a CUDA device for the cache tensors.
+        pin_memory: Pin CPU cache tensors so that copies from CUDA run
+            asynchronously; None pins when CUDA is available.
+        hidden_size: Declares `HIDDEN_STATES` up front with this many values
+            per token (otherwise it is created by its first write).
+        hidden_dtype: Its dtype; required with ``hidden_size``.
+        max_bytes: Cap on the bytes of all cache tensors together (None: no
+            cap); `register` raises `StoreCapacityError` beyond it.
+        tier: A second tier: stamped blocks are offered to it, and
+            `read_through` fills blocks from it (None: no tier).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        device: str | torch.device = "cpu",
+        pin_memory: bool | None = None,
+        hidden_size: int | None = None,
+        hidden_dtype: torch.dtype | None = None,
+        max_bytes: int | None = None,
+        tier: BlockTier | None = None,
+    ) -> None:
+        layout = make_layout(num_blocks, block_size, device, pin_memory)
+        if max_bytes is not None:
+            if type(max_bytes) is not int:
+                raise TypeError(
+                    f"max_bytes: expected int or None, found {type(max_bytes).__name__}"
+                )
+            if max_bytes < 0:
+                raise ValueError(f"max_bytes: expected >= 0, found {max_bytes}")
+        if (hidden_size is None) != (hidden_dtype is None):
+            raise ValueError(
+                "hidden_size and hidden_dtype: expected both or neither, found "
+                f"hidden_size={hidden_size}, hidden_dtype={hidden_dtype}"
+            )
+        check_tier(tier)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_slots = layout.num_slots
+        self.device = layout.device
+        self.pin_memory = layout.pin_memory
+        self.max_bytes = max_bytes
+        self.tier = tier
+        self._layout = layout
+        self._entries: dict[str, Entry] = {}
+        self._stats = StoreStats()
+        bridge = TierBridge(layout, self._stats)
+        self._bridge = bridge
+        self._writer = Writer(layout, self._stats, bridge)
+        self._reader = Reader(layout, self._stats)
+        self._staging = Staging(layout, self._stats)
+        if hidden_size is not None and hidden_dtype is not None:
+            self.register(HIDDEN_STATES, hidden_size, hidden_dtype)
+
+    # -- entries ------------------------------------------------------------
+
+    def register(
+        self,
+        name: str,
+        dim: int | Sequence[int],
+        dtype: torch.dtype,
+        *,
+        deferred: bool = False,
+    ) -> EntrySpec:
+        """Declares an entry of ``dim`` values of ``dtype`` per token.
+
+        Registering the same spec again returns it unchanged.
+
+        Args:
+            name: Entry name.
+            dim: Values per token, or the per-token shape.
+            dtype: Element type.
+            deferred: Rows are staged per request and written by `commit`.
+
+        Returns:
+            The entry's spec.
+
+        Raises:
+            ValueError: A bad argument, or ``name`` registered differently.
+            StoreCapacityError: The entry does not fit under ``max_bytes``.
+        """
+        spec = make_spec(self._layout, name, dim, dtype, deferred)
+        existing = self._entries.get(name)
+        if existing is not None:
+            if existing.spec != spec:
+                raise ValueError(
+                    f"entry {name!r}: already registered as {describe(existing.spec)}, "
+                    f"found {describe(spec)}"
+                )
+            return spec
+        self._check_capacity([spec])
+        self._entries[name] = new_entry(self._layout, spec)
+        return spec
+
+    @property
+    def entries(self) -> dict[str, EntrySpec]:
+        """Registered entries by name, in registration order."""
+        return {name: entry.spec for name, entry in self._entries.items()}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all cache tensors (what ``max_bytes`` caps)."""
+        return sum(entry.spec.nbytes for entry in self._entries.values())
+
+    @property
+    def stats(self) -> StoreStats:
+        """A snapshot of the counters."""
+        return replace(self._stats)
+
+    # -- inspection (read-only: what tests and debugging look at) -----------
+
+    def stamp_of(self, name: str, block_id: int) -> BlockHash | None:
+        """Returns the key block ``block_id`` holds for entry ``name``, or None."""
+        entry = self._entry(name)
+        check_block_id("block_id", block_id, self.num_blocks)
+        stamp: BlockHash | None = entry.stamps[block_id]
+        return stamp
+
+    def filled_of(self, name: str, block_id: int) -> int:
+        """Rows of block ``block_id`` of entry ``name`` written in order from offset 0.
+
+        -1 when they did not arrive in order (the block cannot be stamped
+        before its next offset-0 write); see `omnicache.store.fill`.
+        """
+        entry = self._entry(name)
+        check_block_id("block_id", block_id, self.num_blocks)
+        return int(entry.filled[block_id])
+
+    def cached_rows(self, name: str) -> torch.Tensor:
+        """A copy of every row of entry ``name``, stamped or not, on the CPU.
+
+        Returns:
+            ``(num_slots, *row_shape)`` rows in slot order. Reads check stamps;
+            this does not (it shows what a read would never return).
+        """
+        entry = self._entry(name)
+        sync(entry)
+        return entry.flat.to("cpu", copy=True).view(self.num_slots, *entry.spec.row_shape)
+
+    def staged_rows(self) -> dict[str, dict[str, list[Chunk]]]:
+        """Staged rows by request and entry name: (first token position, rows) chunks.
+
+        Chunks are in staging order; the rows are the store's copies, to be
+        read, not written.
+        """
+        return self._staging.staged_rows()
+
+    # -- block pool ----------------------------------------------------------
+
+    def attach(self, pool: _EvictionSource) -> None:
+        """Subscribes `on_block_evicted` to ``pool``'s evictions.
+
+        Raises:
+            ValueError: The pool's geometry differs from the store's.
+        """
+        if pool.num_blocks != self.num_blocks or pool.block_size != self.block_size:
+            raise ValueError(
+                f"pool: expected {self.num_blocks} blocks of {self.block_size} tokens, found "
+                f"{pool.num_blocks} blocks of {pool.block_size} tokens"
+            )
+        pool.add_eviction_listener(self.on_block_evicted)
+
+    def detach(self, pool: _EvictionSource) -> None:
+        """Stops listening to ``pool``'s evictions."""
+        pool.remove_eviction_listener(self.on_block_evicted)
+
+    def on_block_evicted(self, block_id: int, key: BlockHash) -> None:
+        """Eviction listener: block ``block_id`` lost ``key`` and gets a new owner.
+
+        Its stamps and fill counts are cleared for every entry, whatever key
+        they held: the next owner's rows start a new run.
+        """
+        check_block_id("block_id", block_id, self.num_blocks)
+        for entry in self._entries.values():
+            if entry.stamps[block_id] is not None:
+                entry.stamps[block_id] = None
+                self._stats.num_evicted_stamps += 1
+            entry.filled[block_id] = 0
+
+    def invalidate(self, block_ids: Iterable[int]) -> None:
+        """Clears stamps and fill counts of ``block_ids`` for every entry."""
+        ids = block_id_array("block_ids", list(block_ids), self.num_blocks, distinct=False)
+        for entry in self._entries.values():
+            entry.stamps[ids] = None
+            entry.filled[ids] = 0
+
+    def invalidate_all(self) -> None:
+        """Clears every stamp and fill count (staged rows stay)."""
+        for entry in self._entries.values():
+            entry.stamps[:] = None
+            entry.filled[:] = 0
+
+    # -- writes -------------------------------------------------------------
+
+    def write(
+        self,
+        name: str,
+        rows: torch.Tensor,
+        slot_mapping: object,
+        *,
+        block_keys: Mapping[int, BlockHash] | None = None,
+        num_tokens: int | None = None,
+    ) -> WriteResult:
+        """Writes ``rows[i]`` into slot ``slot_mapping[i]`` of entry ``name``.
+
+        Args:
+            name: A registered entry.
+            rows: ``(n, *row_shape)`` rows of the entry's dtype, n >= num_tokens.
+            slot_mapping: ``block_id * block_size + offset`` per row: an
+                integer tensor (a CPU one avoids a device sync), ndarray or
+                sequence.
+            block_keys: Keys of blocks this write may complete (block id ->
+                key); a touched block whose rows become complete is stamped
+                with its key. Keys of untouched blocks have no effect.
+            num_tokens: Rows to write (default: all of ``slot_mapping``);
+                later slots and rows are padding.
+
+        Returns:
+            The stamped blocks and the keyed blocks left incomplete.
+
+        Raises:
+            ValueError, IndexError, TypeError: Bad input; nothing is written.
+        """
+        entry = self._entry(name)
+        segs = self._segments(slot_mapping, num_tokens)
+        check_rows(entry.spec, rows, len(segs.slots))
+        keys = check_block_keys(block_keys, self.num_blocks)
+        return self._writer.apply(entry, rows, segs, keys, self.tier)
+
+    def write_blocks(
+        self,
+        name: str,
+        rows: torch.Tensor,
+        block_ids: Sequence[int],
+        *,
+        block_keys: Sequence[BlockHash] | None = None,
+    ) -> WriteResult:
+        """Writes whole blocks: ``rows[i * block_size + j]`` to offset j of ``block_ids[i]``.
+
+        Args:
+            name: A registered entry.
+            rows: ``(len(block_ids) * block_size, *row_shape)`` rows.
+            block_ids: Distinct blocks.
+            block_keys: The key of each block, aligned with ``block_ids``
+                (None: the blocks stay unstamped).
+
+        Returns:
+            As `write`.
+        """
+        ids = block_id_array("block_ids", block_ids, self.num_blocks)
+        if block_keys is not None and len(block_keys) != len(ids):
+            raise ValueError(
+                f"block_keys: expected {len(ids)} keys (one per block), found {len(block_keys)}"
+            )
+        slots = (ids[:, None] * self.block_size + np.arange(self.block_size)).reshape(-1)
+        keys = None if block_keys is None else dict(zip(ids.tolist(), block_keys, strict=True))
+        return self.write(name, rows, slots, block_keys=keys)
+
+    def write_outputs(
+        self,
+        slot_mapping: object,
+        *,
+        hidden_states: torch.Tensor | None = None,
+        multimodal_outputs: Mapping[str, object] | None = None,
+        block_keys: Mapping[int, BlockHash] | None = None,
+        num_tokens: int | None = None,
+        num_tokens_padded: int | None = None,
+    ) -> dict[str, WriteResult]:
+        """Writes one step's hidden states and per-token multimodal outputs.
+
+        A multimodal output is per-token, and cached, when it is a registered
+        entry or a tensor with 2 or more dims whose first dim is
+        ``num_tokens_padded``; such a tensor of an unknown name creates its
+        entry. Everything else (1-D per-request metadata, lists, ...) is not
+        cached. Deferred entries are skipped here (see `stage_outputs`, and
+        `write_step`, which does both).
+
+        Args:
+            slot_mapping: Slot per scheduled token (see `write`).
+            hidden_states: ``(>= num_tokens, hidden)`` rows.
+            multimodal_outputs: The model's multimodal outputs by name.
+            block_keys: As in `write`, for every entry.
+            num_tokens: Tokens to write (default: all of ``slot_mapping``).
+            num_tokens_padded: Rows the model produced, padding included
+                (default: ``num_tokens``).
+
+        Returns:
+            The result of each entry written, by name.
+
+        Raises:
+            ValueError, IndexError, TypeError, StoreCapacityError: Bad input or
+                no room for a new entry; nothing is created or written.
+        """
+        segs = self._segments(slot_mapping, num_tokens)
+        num_rows = len(segs.slots)
+        padded = num_rows if num_tokens_padded is None else num_tokens_padded
+        if type(padded) is not int or padded < num_rows:
+            raise ValueError(f"num_tokens_padded: expected int >= {num_rows}, found {padded}")
+        outputs = step_outputs.merge_outputs(hidden_states, multimodal_outputs)
+        new_specs, todo = step_outputs.direct_outputs(
+            self._layout, self._entries, outputs, num_rows, padded
+        )
+        keys = check_block_keys(block_keys, self.num_blocks)
+        self._check_capacity(new_specs)
+        # Every check passed: create the new entries, then write.
+        return self._write_direct(new_specs, todo, segs, keys)
+
+    # -- deferred entries ----------------------------------------------------
+
+    def stage(self, req_id: str, name: str, rows: torch.Tensor, *, token_start: int) -> None:
+        """Keeps rows of deferred entry ``name`` for tokens ``token_start ..`` of a request.
+
+        The rows are copied on their own device (the model may reuse its
+        output buffers); `commit` writes them, `discard` drops them.
+        """
+        self._staging.stage(self._entry(name), req_id, rows, token_start)
+
+    def stage_outputs(
+        self,
+        requests: Sequence[ScheduledRequest],
+        *,
+        hidden_states: torch.Tensor | None = None,
+        multimodal_outputs: Mapping[str, object] | None = None,
+    ) -> None:
+        """Stages each request's rows of every deferred entry in the outputs.
+
+        Request i's rows follow those of requests 0 .. i-1 in each output;
+        they belong to tokens ``num_computed_tokens ..`` of the request.
+        """
+        outputs = step_outputs.merge_outputs(hidden_states, multimodal_outputs)
+        spans = request_spans(requests)
+        total = spans[-1][1] if spans else 0
+        todo = step_outputs.deferred_outputs(self._entries, outputs, total)
+        self._staging.stage_step(todo, requests, spans)
+
+    def has_staged(self, req_id: str) -> bool:
+        """Whether ``req_id`` has rows waiting for `commit`."""
+        return self._staging.has_staged(req_id)
+
+    def commit(
+        self,
+        req_id: str,
+        block_ids: Sequence[int],
+        block_keys: Sequence[BlockHash],
+    ) -> dict[str, WriteResult]:
+        """Writes a finished request's staged rows into its blocks.
+
+        Call it before the request's block table is released.
+
+        Args:
+            req_id: A request with staged rows (`has_staged`).
+            block_ids: The request's blocks, first block first.
+            block_keys: Keys of its full blocks, first block first (at most
+                ``len(block_ids)``); completed blocks are stamped with them.
+
+        Returns:
+            The merged result of each entry written, by name.
+
+        Raises:
+            ValueError: Unknown request, or staged tokens beyond its blocks;
+                then nothing is written and the rows stay staged.
+        """
+        return self._staging.commit(
+            self._writer, self._entries, req_id, block_ids, block_keys, self.tier
+        )
+
+    def discard(self, req_id: str) -> int:
+        """Drops an aborted request's staged rows.
+
+        Returns:
+            The number of bytes dropped.
+
+        Raises:
+            ValueError: ``req_id`` has nothing staged.
+        """
+        return self._staging.discard(req_id)
+
+    # -- reads --------------------------------------------------------------
+
+    def probe(
+        self,
+        block_ids: Sequence[int],
+        block_keys: Sequence[BlockHash],
+        names: Iterable[str] | None = None,
+    ) -> int:
+        """Returns how many leading blocks hold their keys for every entry.
+
+        Args:
+            block_ids: Blocks of a prefix hit, first block first.
+            block_keys: The key each block is expected to hold.
+            names: Entries to check (default: every registered entry).
+        """
+        entries = self._entries_named(names)
+        ids = hit_blocks(block_ids, block_keys, self.num_blocks)
+        valid, _ = num_valid(entries, ids, block_keys)
+        return valid
+
+    def read_blocks(
+        self,
+        name: str,
+        block_ids: Sequence[int],
+        block_keys: Sequence[BlockHash],
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Returns the rows of whole blocks that must hold the given keys.
+
+        Args:
+            name: A registered entry.
+            block_ids: Blocks to read, in order.
+            block_keys: The key each block must hold.
+            out: Optional ``(>= len(block_ids) * block_size, *row_shape)``
+                buffer of the entry's dtype on the store's device.
+
+        Returns:
+            ``(len(block_ids) * block_size, *row_shape)`` rows.
+
+        Raises:
+            StaleBlockError: A block does not hold its key (counted).
+        """
+        entry = self._entry(name)
+        ids = hit_blocks(block_ids, block_keys, self.num_blocks)
+        return self._reader.read_blocks(entry, ids, block_keys, out)
+
+    def read_through(
+        self,
+        block_ids: Sequence[int],
+        block_keys: Sequence[BlockHash],
+        names: Iterable[str] | None = None,
+    ) -> int:
+        """Fills newly allocated blocks from the tier with the rows of their keys.
+
+        Call it on a local miss, with blocks just allocated for the keys that
+        follow the local hit: the tier's leading run of blocks held whole
+        (every entry of ``names``) is copied in and stamped, as if computed
+        here. When the tier is asked, every given block loses its previous
+        stamps and fill counts for every entry, filled or not; without a tier,
+        or with no entry to fill, nothing changes.
+
+        Args:
+            block_ids: Distinct blocks, one per key, first block first.
+            block_keys: The chained keys to look up, first block first.
+            names: Entries to fill (default: every registered entry); other
+                entries of the filled blocks stay unstamped.
+
+        Returns:
+            How many leading blocks were filled (0 without a tier, or when the
+            tier misses, is down or fails).
+        """
+        entries = self._entries_named(names)
+        ids = hit_blocks(block_ids, block_keys, self.num_blocks, distinct=True)
+        tier = self.tier
+        if tier is None or not len(ids) or not entries:
+            return 0
+        return self._bridge.read_through(tier, entries, self._entries.values(), ids, block_keys)
+
+    def new_read_buffers(
+        self, num_rows: int, names: Iterable[str] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Allocates ``out`` buffers for `read_merged` (reuse them across steps).
+
+        Args:
+            num_rows: Rows per buffer: at least the cached plus new rows of
+                every request read at once.
+            names: Entries (default: every registered entry).
+        """
+        if type(num_rows) is not int or num_rows < 0:
+            raise ValueError(f"num_rows: expected int >= 0, found {num_rows}")
+        return {
+            entry.spec.name: empty_rows(self._layout, entry, num_rows).view(
+                num_rows, *entry.spec.row_shape
+            )
+            for entry in self._entries_named(names)
+        }
+
+    def read_merged(
+        self,
+        requests: Sequence[ScheduledRequest],
+        *,
+        hidden_states: torch.Tensor | None = None,
+        multimodal_outputs: Mapping[str, object] | None = None,
+        out: Mapping[str, torch.Tensor] | None = None,
+        strict: bool = False,
+    ) -> MergedRead:
+        """Per request, the rows of its hit blocks followed by this step's rows.
+
+        Every output that is a registered entry is merged; other outputs are
+        returned unchanged in ``passthrough``. Rows are gathered into one
+        buffer per entry (``out[name]`` when given, else a new one).
+
+        Args:
+            requests: The step's requests in batch order (see
+                `ScheduledRequest`); a request without hit blocks gets its
+                new rows only.
+            hidden_states: This step's hidden states, requests' rows in order.
+            multimodal_outputs: This step's multimodal outputs by name.
+            out: Buffers by entry name, each ``(>= total rows, *row_shape)``
+                of the entry's dtype on the store's device.
+            strict: Raise `StaleBlockError` on a stale block instead of
+                reporting the request in ``misses``.
+
+        Returns:
+            The merged rows, passthrough outputs and misses.
+        """
+        outputs = step_outputs.merge_outputs(hidden_states, multimodal_outputs)
+        return self._reader.read_merged(self._entries, requests, outputs, out, strict)
+
+    def synchronize(self) -> None:
+        """Waits for every asynchronous copy into the cache tensors."""
+        for entry in self._entries.values():
+            sync(entry)
+
+    # -- internals ----------------------------------------------------------
+
+    def _segments(
+        self, slot_mapping: object, num_tokens: int | None
+    ) -> slot_cuts.Segments | slot_cuts.SmallSegments:
+        """A write's slots cut into runs: over Python ints when the write is small."""
+        layout = self._layout
+        segs = slot_cuts.small_segments(
+            slot_mapping, num_tokens, layout.num_slots, layout.block_size
+        )
+        if segs is not None:
+            return segs
+        slots, slots_tensor = slot_cuts.parse_slots(slot_mapping, num_tokens, layout.num_slots)
+        return slot_cuts.segments(slots, slots_tensor, layout.block_size)
+
+    def _write_direct(
+        self,
+        new_specs: Sequence[EntrySpec],
+        todo: Sequence[tuple[EntrySpec, torch.Tensor]],
+        segs: slot_cuts.Segments | slot_cuts.SmallSegments,
+        keys: Mapping[int, BlockHash],
+    ) -> dict[str, WriteResult]:
+        """Creates checked new entries, then writes checked rows into each entry."""
+        for spec in new_specs:
+            self._entries[spec.name] = new_entry(self._layout, spec)
+        return {
+            spec.name: self._writer.apply(self._entries[spec.name], value, segs, keys, self.tier)
+            for spec, value in todo
+        }
+
+    def _check_capacity(self, specs: Sequence[EntrySpec]) -> None:
+        if self.max_bytes is None or not specs:
+            return
+        used = self.nbytes
+        need = sum(spec.nbytes for spec in specs)
+        if used + need > self.max_bytes:
+            names = ", ".join(repr(spec.name) for spec in specs)
+            raise StoreCapacityError(
+                f"entries {names}: need {need} bytes, {self.max_bytes - used} available "
+                f"(max_bytes={self.max_bytes}, {used} used by {list(self._entries)})"
+            )
+
+    def _entry(self, name: str) -> Entry:
+        entry = self._entries.get(name)
+        if entry is None:
+            raise ValueError(
+                f"name: expected a registered entry {list(self._entries)}, found {name!r}"
+            )
+        return entry
+
+    def _entries_named(self, names: Iterable[str] | None) -> list[Entry]:
+        if names is None:
+            return list(self._entries.values())
+        if isinstance(names, str):
+            raise TypeError("names: expected an iterable of entry names, found str")
+        return [self._entry(name) for name in names]
