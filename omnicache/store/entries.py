@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from omnicache.store.specs import EntrySpec
+from omnicache.store.slots import IntArray
+from omnicache.store.specs import EntrySpec, StoreCapacityError
 
 # Widest element types to move rows with, by size in bytes. Scatter and
 # gather kernels move one element per step, so viewing a bf16 row as
@@ -128,6 +129,46 @@ def new_entry(layout: Layout, spec: EntrySpec) -> Entry:
         filled=np.zeros(layout.num_blocks, dtype=np.int32),
         stamps=np.full(layout.num_blocks, None, dtype=object),
     )
+
+
+def entry_named(entries: Mapping[str, Entry], name: str) -> Entry:
+    """The registered entry ``name``."""
+    entry = entries.get(name)
+    if entry is None:
+        raise ValueError(f"name: expected a registered entry {list(entries)}, found {name!r}")
+    return entry
+
+
+def entries_named(entries: Mapping[str, Entry], names: Iterable[str] | None) -> list[Entry]:
+    """The registered entries ``names`` (None: every one, in registration order)."""
+    if names is None:
+        return list(entries.values())
+    if isinstance(names, str):
+        raise TypeError("names: expected an iterable of entry names, found str")
+    return [entry_named(entries, name) for name in names]
+
+
+def check_capacity(
+    entries: Mapping[str, Entry], specs: Sequence[EntrySpec], max_bytes: int | None
+) -> None:
+    """Raises `StoreCapacityError` when ``specs`` do not fit beside ``entries``."""
+    if max_bytes is None or not specs:
+        return
+    used = sum(entry.spec.nbytes for entry in entries.values())
+    need = sum(spec.nbytes for spec in specs)
+    if used + need > max_bytes:
+        names = ", ".join(repr(spec.name) for spec in specs)
+        raise StoreCapacityError(
+            f"entries {names}: need {need} bytes, {max_bytes - used} available "
+            f"(max_bytes={max_bytes}, {used} used by {list(entries)})"
+        )
+
+
+def clear_blocks(entries: Iterable[Entry], ids: IntArray | int | slice) -> None:
+    """Clears the stamps and fill counts of blocks ``ids`` (checked) in ``entries``."""
+    for entry in entries:
+        entry.stamps[ids] = None
+        entry.filled[ids] = 0
 
 
 def empty_rows(layout: Layout, entry: Entry, num_rows: int) -> torch.Tensor:

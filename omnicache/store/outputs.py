@@ -30,6 +30,14 @@ def merge_outputs(
     return outputs
 
 
+def padded_rows(num_tokens_padded: int | None, num_rows: int) -> int:
+    """Rows the model produced, padding included: at least ``num_rows`` (None: ``num_rows``)."""
+    padded = num_rows if num_tokens_padded is None else num_tokens_padded
+    if type(padded) is not int or padded < num_rows:
+        raise ValueError(f"num_tokens_padded: expected int >= {num_rows}, found {padded}")
+    return padded
+
+
 def direct_outputs(
     layout: Layout,
     entries: Mapping[str, Entry],

@@ -6,16 +6,25 @@ counted miss or a `StaleBlockError`, never wrong data.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from omnicache.block_hash import BlockHash
-from omnicache.store.blocks import hit_block_list, request_spans
+from omnicache.store import outputs as step_outputs
+from omnicache.store.blocks import hit_block_list, hit_blocks, request_spans
 from omnicache.store.copies import gather_blocks, sync, widen_pair
-from omnicache.store.entries import Entry, Layout, check_out, check_rows, empty_rows
+from omnicache.store.entries import (
+    Entry,
+    Layout,
+    check_out,
+    check_rows,
+    empty_rows,
+    entries_named,
+    entry_named,
+)
 from omnicache.store.slots import IntArray
 from omnicache.store.specs import (
     MergedRead,
@@ -24,6 +33,7 @@ from omnicache.store.specs import (
     StaleBlockError,
     StoreStats,
 )
+from omnicache.store.tier import BlockTier, TierBridge
 
 
 def num_valid(
@@ -289,6 +299,145 @@ class Reader:
 
     def _to_device(self, index: torch.Tensor) -> torch.Tensor:
         return index if self._layout.on_cpu else index.to(self._layout.device)
+
+
+class ReadMethods:
+    """`TensorStore`'s read methods (TensorStore sets the attributes)."""
+
+    num_blocks: int
+    tier: BlockTier | None
+    _layout: Layout
+    _entries: dict[str, Entry]
+    _reader: Reader
+    _bridge: TierBridge
+
+    def probe(
+        self,
+        block_ids: Sequence[int],
+        block_keys: Sequence[BlockHash],
+        names: Iterable[str] | None = None,
+    ) -> int:
+        """Returns how many leading blocks hold their keys for every entry.
+
+        Args:
+            block_ids: Blocks of a prefix hit, first block first.
+            block_keys: The key each block is expected to hold.
+            names: Entries to check (default: every registered entry).
+        """
+        entries = entries_named(self._entries, names)
+        ids = hit_blocks(block_ids, block_keys, self.num_blocks)
+        valid, _ = num_valid(entries, ids, block_keys)
+        return valid
+
+    def read_blocks(
+        self,
+        name: str,
+        block_ids: Sequence[int],
+        block_keys: Sequence[BlockHash],
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Returns the rows of whole blocks that must hold the given keys.
+
+        Args:
+            name: A registered entry.
+            block_ids: Blocks to read, in order.
+            block_keys: The key each block must hold.
+            out: Optional ``(>= len(block_ids) * block_size, *row_shape)``
+                buffer of the entry's dtype on the store's device.
+
+        Returns:
+            ``(len(block_ids) * block_size, *row_shape)`` rows.
+
+        Raises:
+            StaleBlockError: A block does not hold its key (counted).
+        """
+        entry = entry_named(self._entries, name)
+        ids = hit_blocks(block_ids, block_keys, self.num_blocks)
+        return self._reader.read_blocks(entry, ids, block_keys, out)
+
+    def read_through(
+        self,
+        block_ids: Sequence[int],
+        block_keys: Sequence[BlockHash],
+        names: Iterable[str] | None = None,
+    ) -> int:
+        """Fills newly allocated blocks from the tier with the rows of their keys.
+
+        Call it on a local miss, with blocks just allocated for the keys that
+        follow the local hit: the tier's leading run of blocks held whole
+        (every entry of ``names``) is copied in and stamped, as if computed
+        here. When the tier is asked, every given block loses its previous
+        stamps and fill counts for every entry, filled or not; without a tier,
+        or with no entry to fill, nothing changes.
+
+        Args:
+            block_ids: Distinct blocks, one per key, first block first.
+            block_keys: The chained keys to look up, first block first.
+            names: Entries to fill (default: every registered entry); other
+                entries of the filled blocks stay unstamped.
+
+        Returns:
+            How many leading blocks were filled (0 without a tier, or when the
+            tier misses, is down or fails).
+        """
+        entries = entries_named(self._entries, names)
+        ids = hit_blocks(block_ids, block_keys, self.num_blocks, distinct=True)
+        tier = self.tier
+        if tier is None or not len(ids) or not entries:
+            return 0
+        return self._bridge.read_through(tier, entries, self._entries.values(), ids, block_keys)
+
+    def new_read_buffers(
+        self, num_rows: int, names: Iterable[str] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Allocates ``out`` buffers for `read_merged` (reuse them across steps).
+
+        Args:
+            num_rows: Rows per buffer: at least the cached plus new rows of
+                every request read at once.
+            names: Entries (default: every registered entry).
+        """
+        if type(num_rows) is not int or num_rows < 0:
+            raise ValueError(f"num_rows: expected int >= 0, found {num_rows}")
+        return {
+            entry.spec.name: empty_rows(self._layout, entry, num_rows).view(
+                num_rows, *entry.spec.row_shape
+            )
+            for entry in entries_named(self._entries, names)
+        }
+
+    def read_merged(
+        self,
+        requests: Sequence[ScheduledRequest],
+        *,
+        hidden_states: torch.Tensor | None = None,
+        multimodal_outputs: Mapping[str, object] | None = None,
+        out: Mapping[str, torch.Tensor] | None = None,
+        strict: bool = False,
+    ) -> MergedRead:
+        """Per request, the rows of its hit blocks followed by this step's rows.
+
+        Every output that is a registered entry is merged; other outputs are
+        returned unchanged in ``passthrough``. Rows are gathered into one
+        buffer per entry (``out[name]`` when given, else a new one).
+
+        Args:
+            requests: The step's requests in batch order (see
+                `ScheduledRequest`); a request without hit blocks gets its
+                new rows only.
+            hidden_states: This step's hidden states, requests' rows in order.
+            multimodal_outputs: This step's multimodal outputs by name.
+            out: Buffers by entry name, each ``(>= total rows, *row_shape)``
+                of the entry's dtype on the store's device.
+            strict: Raise `StaleBlockError` on a stale block instead of
+                reporting the request in ``misses``.
+
+        Returns:
+            The merged rows, passthrough outputs and misses.
+        """
+        outputs = step_outputs.merge_outputs(hidden_states, multimodal_outputs)
+        return self._reader.read_merged(self._entries, requests, outputs, out, strict)
 
 
 def _ranges(starts: IntArray, counts: IntArray) -> IntArray:

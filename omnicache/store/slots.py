@@ -241,6 +241,24 @@ def small_segments(
     return SmallSegments(slots, source, blocks, runs, repeated, one_run)
 
 
+def cut(
+    slot_mapping: object, num_tokens: int | None, num_slots: int, block_size: int
+) -> Segments | SmallSegments:
+    """A write's first ``num_tokens`` slots (default: all) checked and cut into runs.
+
+    Over Python ints when the write is small (see `small_segments`), else
+    over numpy arrays.
+
+    Raises:
+        TypeError, ValueError, IndexError: As `parse_slots` and `segments`.
+    """
+    small = small_segments(slot_mapping, num_tokens, num_slots, block_size)
+    if small is not None:
+        return small
+    slots, slots_tensor = parse_slots(slot_mapping, num_tokens, num_slots)
+    return segments(slots, slots_tensor, block_size)
+
+
 def as_segments(segs: SmallSegments, block_size: int) -> Segments:
     """A small write's runs as `segments` makes them (for copies run by run)."""
     source = segs.source

@@ -15,8 +15,9 @@ import numpy as np
 import torch
 
 from omnicache.block_hash import BlockHash
-from omnicache.store.blocks import block_id_array, check_block_keys
-from omnicache.store.entries import Entry, Layout, check_rows
+from omnicache.store import outputs as step_outputs
+from omnicache.store.blocks import block_id_array, check_block_keys, request_spans
+from omnicache.store.entries import Entry, Layout, check_rows, entry_named
 from omnicache.store.slots import segments
 from omnicache.store.specs import ScheduledRequest, StoreStats, WriteResult, merge_results
 from omnicache.store.tier import BlockTier
@@ -162,3 +163,80 @@ class Staging:
         )
         self._stats.num_staged_bytes -= num_bytes
         return num_bytes
+
+
+class DeferredMethods:
+    """`TensorStore`'s methods for deferred entries (TensorStore sets the attributes)."""
+
+    tier: BlockTier | None
+    _entries: dict[str, Entry]
+    _staging: Staging
+    _writer: Writer
+
+    def stage(self, req_id: str, name: str, rows: torch.Tensor, *, token_start: int) -> None:
+        """Keeps rows of deferred entry ``name`` for tokens ``token_start ..`` of a request.
+
+        The rows are copied on their own device (the model may reuse its
+        output buffers); `commit` writes them, `discard` drops them.
+        """
+        self._staging.stage(entry_named(self._entries, name), req_id, rows, token_start)
+
+    def stage_outputs(
+        self,
+        requests: Sequence[ScheduledRequest],
+        *,
+        hidden_states: torch.Tensor | None = None,
+        multimodal_outputs: Mapping[str, object] | None = None,
+    ) -> None:
+        """Stages each request's rows of every deferred entry in the outputs.
+
+        Request i's rows follow those of requests 0 .. i-1 in each output;
+        they belong to tokens ``num_computed_tokens ..`` of the request.
+        """
+        outputs = step_outputs.merge_outputs(hidden_states, multimodal_outputs)
+        spans = request_spans(requests)
+        total = spans[-1][1] if spans else 0
+        todo = step_outputs.deferred_outputs(self._entries, outputs, total)
+        self._staging.stage_step(todo, requests, spans)
+
+    def has_staged(self, req_id: str) -> bool:
+        """Whether ``req_id`` has rows waiting for `commit`."""
+        return self._staging.has_staged(req_id)
+
+    def commit(
+        self,
+        req_id: str,
+        block_ids: Sequence[int],
+        block_keys: Sequence[BlockHash],
+    ) -> dict[str, WriteResult]:
+        """Writes a finished request's staged rows into its blocks.
+
+        Call it before the request's block table is released.
+
+        Args:
+            req_id: A request with staged rows (`has_staged`).
+            block_ids: The request's blocks, first block first.
+            block_keys: Keys of its full blocks, first block first (at most
+                ``len(block_ids)``); completed blocks are stamped with them.
+
+        Returns:
+            The merged result of each entry written, by name.
+
+        Raises:
+            ValueError: Unknown request, or staged tokens beyond its blocks;
+                then nothing is written and the rows stay staged.
+        """
+        return self._staging.commit(
+            self._writer, self._entries, req_id, block_ids, block_keys, self.tier
+        )
+
+    def discard(self, req_id: str) -> int:
+        """Drops an aborted request's staged rows.
+
+        Returns:
+            The number of bytes dropped.
+
+        Raises:
+            ValueError: ``req_id`` has nothing staged.
+        """
+        return self._staging.discard(req_id)

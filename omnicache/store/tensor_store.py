@@ -16,30 +16,27 @@ from omnicache.store.blocks import (
     block_id_array,
     check_block_id,
     check_block_keys,
-    hit_blocks,
-    request_spans,
 )
 from omnicache.store.copies import sync
 from omnicache.store.entries import (
     Entry,
+    check_capacity,
     check_rows,
-    empty_rows,
+    clear_blocks,
+    entry_named,
     make_layout,
     make_spec,
     new_entry,
 )
-from omnicache.store.reads import Reader, num_valid
+from omnicache.store.reads import Reader, ReadMethods
 from omnicache.store.specs import (
     HIDDEN_STATES,
     EntrySpec,
-    MergedRead,
-    ScheduledRequest,
-    StoreCapacityError,
     StoreStats,
     WriteResult,
     describe,
 )
-from omnicache.store.staging import Chunk, Staging
+from omnicache.store.staging import Chunk, DeferredMethods, Staging
 from omnicache.store.tier import BlockTier, TierBridge, check_tier
 from omnicache.store.writes import Writer
 
@@ -53,8 +50,12 @@ class _EvictionSource(Protocol):
     def remove_eviction_listener(self, callback: Any) -> None: ...
 
 
-class TensorStore:
+class TensorStore(DeferredMethods, ReadMethods):
     """Per-block tensors for named entries, stamped with the key they hold.
+
+    Writes and inspection are defined here; the methods for deferred entries
+    (`stage` .. `discard`) and reads (`probe` .. `read_merged`) in
+    `staging.DeferredMethods` and `reads.ReadMethods`.
 
     Args:
         num_blocks: Number of blocks, as in the block pool.
@@ -151,7 +152,7 @@ class TensorStore:
                     f"found {describe(spec)}"
                 )
             return spec
-        self._check_capacity([spec])
+        check_capacity(self._entries, [spec], self.max_bytes)
         self._entries[name] = new_entry(self._layout, spec)
         return spec
 
@@ -174,7 +175,7 @@ class TensorStore:
 
     def stamp_of(self, name: str, block_id: int) -> BlockHash | None:
         """Returns the key block ``block_id`` holds for entry ``name``, or None."""
-        entry = self._entry(name)
+        entry = entry_named(self._entries, name)
         check_block_id("block_id", block_id, self.num_blocks)
         stamp: BlockHash | None = entry.stamps[block_id]
         return stamp
@@ -185,7 +186,7 @@ class TensorStore:
         -1 when they did not arrive in order (the block cannot be stamped
         before its next offset-0 write); see `omnicache.store.fill`.
         """
-        entry = self._entry(name)
+        entry = entry_named(self._entries, name)
         check_block_id("block_id", block_id, self.num_blocks)
         return int(entry.filled[block_id])
 
@@ -196,7 +197,7 @@ class TensorStore:
             ``(num_slots, *row_shape)`` rows in slot order. Reads check stamps;
             this does not (it shows what a read would never return).
         """
-        entry = self._entry(name)
+        entry = entry_named(self._entries, name)
         sync(entry)
         return entry.flat.to("cpu", copy=True).view(self.num_slots, *entry.spec.row_shape)
 
@@ -236,22 +237,17 @@ class TensorStore:
         check_block_id("block_id", block_id, self.num_blocks)
         for entry in self._entries.values():
             if entry.stamps[block_id] is not None:
-                entry.stamps[block_id] = None
                 self._stats.num_evicted_stamps += 1
-            entry.filled[block_id] = 0
+        clear_blocks(self._entries.values(), block_id)
 
     def invalidate(self, block_ids: Iterable[int]) -> None:
         """Clears stamps and fill counts of ``block_ids`` for every entry."""
         ids = block_id_array("block_ids", list(block_ids), self.num_blocks, distinct=False)
-        for entry in self._entries.values():
-            entry.stamps[ids] = None
-            entry.filled[ids] = 0
+        clear_blocks(self._entries.values(), ids)
 
     def invalidate_all(self) -> None:
         """Clears every stamp and fill count (staged rows stay)."""
-        for entry in self._entries.values():
-            entry.stamps[:] = None
-            entry.filled[:] = 0
+        clear_blocks(self._entries.values(), slice(None))
 
     # -- writes -------------------------------------------------------------
 
@@ -284,8 +280,8 @@ class TensorStore:
         Raises:
             ValueError, IndexError, TypeError: Bad input; nothing is written.
         """
-        entry = self._entry(name)
-        segs = self._segments(slot_mapping, num_tokens)
+        entry = entry_named(self._entries, name)
+        segs = slot_cuts.cut(slot_mapping, num_tokens, self.num_slots, self.block_size)
         check_rows(entry.spec, rows, len(segs.slots))
         keys = check_block_keys(block_keys, self.num_blocks)
         return self._writer.apply(entry, rows, segs, keys, self.tier)
@@ -335,8 +331,7 @@ class TensorStore:
         entry or a tensor with 2 or more dims whose first dim is
         ``num_tokens_padded``; such a tensor of an unknown name creates its
         entry. Everything else (1-D per-request metadata, lists, ...) is not
-        cached. Deferred entries are skipped here (see `stage_outputs`, and
-        `write_step`, which does both).
+        cached. Deferred entries are skipped here (see `stage_outputs`).
 
         Args:
             slot_mapping: Slot per scheduled token (see `write`).
@@ -354,219 +349,17 @@ class TensorStore:
             ValueError, IndexError, TypeError, StoreCapacityError: Bad input or
                 no room for a new entry; nothing is created or written.
         """
-        segs = self._segments(slot_mapping, num_tokens)
+        segs = slot_cuts.cut(slot_mapping, num_tokens, self.num_slots, self.block_size)
         num_rows = len(segs.slots)
-        padded = num_rows if num_tokens_padded is None else num_tokens_padded
-        if type(padded) is not int or padded < num_rows:
-            raise ValueError(f"num_tokens_padded: expected int >= {num_rows}, found {padded}")
+        padded = step_outputs.padded_rows(num_tokens_padded, num_rows)
         outputs = step_outputs.merge_outputs(hidden_states, multimodal_outputs)
         new_specs, todo = step_outputs.direct_outputs(
             self._layout, self._entries, outputs, num_rows, padded
         )
         keys = check_block_keys(block_keys, self.num_blocks)
-        self._check_capacity(new_specs)
+        check_capacity(self._entries, new_specs, self.max_bytes)
         # Every check passed: create the new entries, then write.
         return self._write_direct(new_specs, todo, segs, keys)
-
-    # -- deferred entries ----------------------------------------------------
-
-    def stage(self, req_id: str, name: str, rows: torch.Tensor, *, token_start: int) -> None:
-        """Keeps rows of deferred entry ``name`` for tokens ``token_start ..`` of a request.
-
-        The rows are copied on their own device (the model may reuse its
-        output buffers); `commit` writes them, `discard` drops them.
-        """
-        self._staging.stage(self._entry(name), req_id, rows, token_start)
-
-    def stage_outputs(
-        self,
-        requests: Sequence[ScheduledRequest],
-        *,
-        hidden_states: torch.Tensor | None = None,
-        multimodal_outputs: Mapping[str, object] | None = None,
-    ) -> None:
-        """Stages each request's rows of every deferred entry in the outputs.
-
-        Request i's rows follow those of requests 0 .. i-1 in each output;
-        they belong to tokens ``num_computed_tokens ..`` of the request.
-        """
-        outputs = step_outputs.merge_outputs(hidden_states, multimodal_outputs)
-        spans = request_spans(requests)
-        total = spans[-1][1] if spans else 0
-        todo = step_outputs.deferred_outputs(self._entries, outputs, total)
-        self._staging.stage_step(todo, requests, spans)
-
-    def has_staged(self, req_id: str) -> bool:
-        """Whether ``req_id`` has rows waiting for `commit`."""
-        return self._staging.has_staged(req_id)
-
-    def commit(
-        self,
-        req_id: str,
-        block_ids: Sequence[int],
-        block_keys: Sequence[BlockHash],
-    ) -> dict[str, WriteResult]:
-        """Writes a finished request's staged rows into its blocks.
-
-        Call it before the request's block table is released.
-
-        Args:
-            req_id: A request with staged rows (`has_staged`).
-            block_ids: The request's blocks, first block first.
-            block_keys: Keys of its full blocks, first block first (at most
-                ``len(block_ids)``); completed blocks are stamped with them.
-
-        Returns:
-            The merged result of each entry written, by name.
-
-        Raises:
-            ValueError: Unknown request, or staged tokens beyond its blocks;
-                then nothing is written and the rows stay staged.
-        """
-        return self._staging.commit(
-            self._writer, self._entries, req_id, block_ids, block_keys, self.tier
-        )
-
-    def discard(self, req_id: str) -> int:
-        """Drops an aborted request's staged rows.
-
-        Returns:
-            The number of bytes dropped.
-
-        Raises:
-            ValueError: ``req_id`` has nothing staged.
-        """
-        return self._staging.discard(req_id)
-
-    # -- reads --------------------------------------------------------------
-
-    def probe(
-        self,
-        block_ids: Sequence[int],
-        block_keys: Sequence[BlockHash],
-        names: Iterable[str] | None = None,
-    ) -> int:
-        """Returns how many leading blocks hold their keys for every entry.
-
-        Args:
-            block_ids: Blocks of a prefix hit, first block first.
-            block_keys: The key each block is expected to hold.
-            names: Entries to check (default: every registered entry).
-        """
-        entries = self._entries_named(names)
-        ids = hit_blocks(block_ids, block_keys, self.num_blocks)
-        valid, _ = num_valid(entries, ids, block_keys)
-        return valid
-
-    def read_blocks(
-        self,
-        name: str,
-        block_ids: Sequence[int],
-        block_keys: Sequence[BlockHash],
-        *,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Returns the rows of whole blocks that must hold the given keys.
-
-        Args:
-            name: A registered entry.
-            block_ids: Blocks to read, in order.
-            block_keys: The key each block must hold.
-            out: Optional ``(>= len(block_ids) * block_size, *row_shape)``
-                buffer of the entry's dtype on the store's device.
-
-        Returns:
-            ``(len(block_ids) * block_size, *row_shape)`` rows.
-
-        Raises:
-            StaleBlockError: A block does not hold its key (counted).
-        """
-        entry = self._entry(name)
-        ids = hit_blocks(block_ids, block_keys, self.num_blocks)
-        return self._reader.read_blocks(entry, ids, block_keys, out)
-
-    def read_through(
-        self,
-        block_ids: Sequence[int],
-        block_keys: Sequence[BlockHash],
-        names: Iterable[str] | None = None,
-    ) -> int:
-        """Fills newly allocated blocks from the tier with the rows of their keys.
-
-        Call it on a local miss, with blocks just allocated for the keys that
-        follow the local hit: the tier's leading run of blocks held whole
-        (every entry of ``names``) is copied in and stamped, as if computed
-        here. When the tier is asked, every given block loses its previous
-        stamps and fill counts for every entry, filled or not; without a tier,
-        or with no entry to fill, nothing changes.
-
-        Args:
-            block_ids: Distinct blocks, one per key, first block first.
-            block_keys: The chained keys to look up, first block first.
-            names: Entries to fill (default: every registered entry); other
-                entries of the filled blocks stay unstamped.
-
-        Returns:
-            How many leading blocks were filled (0 without a tier, or when the
-            tier misses, is down or fails).
-        """
-        entries = self._entries_named(names)
-        ids = hit_blocks(block_ids, block_keys, self.num_blocks, distinct=True)
-        tier = self.tier
-        if tier is None or not len(ids) or not entries:
-            return 0
-        return self._bridge.read_through(tier, entries, self._entries.values(), ids, block_keys)
-
-    def new_read_buffers(
-        self, num_rows: int, names: Iterable[str] | None = None
-    ) -> dict[str, torch.Tensor]:
-        """Allocates ``out`` buffers for `read_merged` (reuse them across steps).
-
-        Args:
-            num_rows: Rows per buffer: at least the cached plus new rows of
-                every request read at once.
-            names: Entries (default: every registered entry).
-        """
-        if type(num_rows) is not int or num_rows < 0:
-            raise ValueError(f"num_rows: expected int >= 0, found {num_rows}")
-        return {
-            entry.spec.name: empty_rows(self._layout, entry, num_rows).view(
-                num_rows, *entry.spec.row_shape
-            )
-            for entry in self._entries_named(names)
-        }
-
-    def read_merged(
-        self,
-        requests: Sequence[ScheduledRequest],
-        *,
-        hidden_states: torch.Tensor | None = None,
-        multimodal_outputs: Mapping[str, object] | None = None,
-        out: Mapping[str, torch.Tensor] | None = None,
-        strict: bool = False,
-    ) -> MergedRead:
-        """Per request, the rows of its hit blocks followed by this step's rows.
-
-        Every output that is a registered entry is merged; other outputs are
-        returned unchanged in ``passthrough``. Rows are gathered into one
-        buffer per entry (``out[name]`` when given, else a new one).
-
-        Args:
-            requests: The step's requests in batch order (see
-                `ScheduledRequest`); a request without hit blocks gets its
-                new rows only.
-            hidden_states: This step's hidden states, requests' rows in order.
-            multimodal_outputs: This step's multimodal outputs by name.
-            out: Buffers by entry name, each ``(>= total rows, *row_shape)``
-                of the entry's dtype on the store's device.
-            strict: Raise `StaleBlockError` on a stale block instead of
-                reporting the request in ``misses``.
-
-        Returns:
-            The merged rows, passthrough outputs and misses.
-        """
-        outputs = step_outputs.merge_outputs(hidden_states, multimodal_outputs)
-        return self._reader.read_merged(self._entries, requests, outputs, out, strict)
 
     def synchronize(self) -> None:
         """Waits for every asynchronous copy into the cache tensors."""
@@ -574,19 +367,6 @@ class TensorStore:
             sync(entry)
 
     # -- internals ----------------------------------------------------------
-
-    def _segments(
-        self, slot_mapping: object, num_tokens: int | None
-    ) -> slot_cuts.Segments | slot_cuts.SmallSegments:
-        """A write's slots cut into runs: over Python ints when the write is small."""
-        layout = self._layout
-        segs = slot_cuts.small_segments(
-            slot_mapping, num_tokens, layout.num_slots, layout.block_size
-        )
-        if segs is not None:
-            return segs
-        slots, slots_tensor = slot_cuts.parse_slots(slot_mapping, num_tokens, layout.num_slots)
-        return slot_cuts.segments(slots, slots_tensor, layout.block_size)
 
     def _write_direct(
         self,
@@ -602,30 +382,3 @@ class TensorStore:
             spec.name: self._writer.apply(self._entries[spec.name], value, segs, keys, self.tier)
             for spec, value in todo
         }
-
-    def _check_capacity(self, specs: Sequence[EntrySpec]) -> None:
-        if self.max_bytes is None or not specs:
-            return
-        used = self.nbytes
-        need = sum(spec.nbytes for spec in specs)
-        if used + need > self.max_bytes:
-            names = ", ".join(repr(spec.name) for spec in specs)
-            raise StoreCapacityError(
-                f"entries {names}: need {need} bytes, {self.max_bytes - used} available "
-                f"(max_bytes={self.max_bytes}, {used} used by {list(self._entries)})"
-            )
-
-    def _entry(self, name: str) -> Entry:
-        entry = self._entries.get(name)
-        if entry is None:
-            raise ValueError(
-                f"name: expected a registered entry {list(self._entries)}, found {name!r}"
-            )
-        return entry
-
-    def _entries_named(self, names: Iterable[str] | None) -> list[Entry]:
-        if names is None:
-            return list(self._entries.values())
-        if isinstance(names, str):
-            raise TypeError("names: expected an iterable of entry names, found str")
-        return [self._entry(name) for name in names]

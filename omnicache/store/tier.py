@@ -18,7 +18,7 @@ import torch
 
 from omnicache.block_hash import BlockHash
 from omnicache.store.copies import sync
-from omnicache.store.entries import Entry, Layout
+from omnicache.store.entries import Entry, Layout, clear_blocks
 from omnicache.store.slots import IntArray
 from omnicache.store.specs import EntrySpec, StoreStats
 
@@ -138,9 +138,7 @@ class TierBridge:
             self._stats.num_tier_errors += 1
             _log.warning("tier %s failed a read, served as a miss: %r", type(tier).__name__, exc)
             blocks = []
-        for entry in all_entries:
-            entry.stamps[ids] = None
-            entry.filled[ids] = 0
+        clear_blocks(all_entries, ids)
         for index, rows_by_name in enumerate(blocks):
             block_id = int(ids[index])
             key = block_keys[index]
