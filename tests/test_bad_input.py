@@ -1044,6 +1044,34 @@ CASES: list[Case] = [
         "num_tokens_padded: expected int >= 2, found 1",
     ),
     Case(
+        "write-step-rows-and-slots",
+        lambda w: w.store.write_step(
+            [ScheduledRequest("r", 1)], [24, 25], multimodal_outputs={"h": rows(2)}
+        ),
+        ValueError,
+        "requests: expected num_new_tokens summing to 2 (one per slot), found 1",
+    ),
+    Case(
+        "write-step-deferred-dtype",
+        lambda w: w.store.write_step(
+            [ScheduledRequest("r", 2)],
+            [24, 25],
+            multimodal_outputs={"h": rows(2), "codes": rows(2, 2)},
+        ),
+        ValueError,
+        "entry 'codes': expected dtype torch.int64, found torch.float32",
+    ),
+    Case(
+        "write-step-direct-shape",
+        lambda w: w.store.write_step(
+            [ScheduledRequest("r", 2)],
+            [24, 25],
+            multimodal_outputs={"h": rows(2, 4), "codes": rows(2, 2, torch.int64)},
+        ),
+        ValueError,
+        "entry 'h': expected rows of shape (n, 3), found (2, 4)",
+    ),
+    Case(
         "stage-direct-entry",
         lambda w: w.store.stage("r", "h", rows(2), token_start=0),
         ValueError,

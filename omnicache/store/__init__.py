@@ -45,7 +45,9 @@ place).
 Deferred entries are staged per request (on the device the rows came from)
 and written into their blocks once, when the request finishes and its block
 table is still known (`TensorStore.commit`), or dropped on abort
-(`TensorStore.discard`).
+(`TensorStore.discard`). `TensorStore.write_step` takes a whole step: it
+checks everything once, then writes the direct entries and stages the
+deferred ones, all or nothing.
 
 A second tier (`BlockTier`: another process's memory, Redis, ...) sits beside
 the store and knows blocks only by key. Every block a write stamps, and every

@@ -16,6 +16,7 @@ from omnicache.store.blocks import (
     block_id_array,
     check_block_id,
     check_block_keys,
+    request_spans,
 )
 from omnicache.store.copies import sync
 from omnicache.store.entries import (
@@ -32,6 +33,7 @@ from omnicache.store.reads import Reader, ReadMethods
 from omnicache.store.specs import (
     HIDDEN_STATES,
     EntrySpec,
+    ScheduledRequest,
     StoreStats,
     WriteResult,
     describe,
@@ -331,7 +333,8 @@ class TensorStore(DeferredMethods, ReadMethods):
         entry or a tensor with 2 or more dims whose first dim is
         ``num_tokens_padded``; such a tensor of an unknown name creates its
         entry. Everything else (1-D per-request metadata, lists, ...) is not
-        cached. Deferred entries are skipped here (see `stage_outputs`).
+        cached. Deferred entries are skipped here (see `stage_outputs`, and
+        `write_step`, which does both at once).
 
         Args:
             slot_mapping: Slot per scheduled token (see `write`).
@@ -360,6 +363,64 @@ class TensorStore(DeferredMethods, ReadMethods):
         check_capacity(self._entries, new_specs, self.max_bytes)
         # Every check passed: create the new entries, then write.
         return self._write_direct(new_specs, todo, segs, keys)
+
+    def write_step(
+        self,
+        requests: Sequence[ScheduledRequest],
+        slot_mapping: object,
+        *,
+        hidden_states: torch.Tensor | None = None,
+        multimodal_outputs: Mapping[str, object] | None = None,
+        block_keys: Mapping[int, BlockHash] | None = None,
+        num_tokens_padded: int | None = None,
+    ) -> dict[str, WriteResult]:
+        """Writes one step's direct entries and stages its deferred ones, all or nothing.
+
+        Direct entries are written as by `write_outputs` (every slot of
+        ``slot_mapping``), deferred entries staged per request as by
+        `stage_outputs`. Every check (requests, slots, keys, every output's
+        rows, room for new entries) runs before anything is created, written
+        or staged.
+
+        Args:
+            requests: The step's requests in batch order; their
+                ``num_new_tokens`` sum to ``len(slot_mapping)``.
+            slot_mapping: Slot per row of the step, request by request (see
+                `write`); the outputs' later rows are padding.
+            hidden_states: ``(>= len(slot_mapping), hidden)`` rows.
+            multimodal_outputs: The model's multimodal outputs by name.
+            block_keys: As in `write`, for every direct entry.
+            num_tokens_padded: Rows the model produced, padding included
+                (default: ``len(slot_mapping)``).
+
+        Returns:
+            The result of each direct entry written, by name.
+
+        Raises:
+            ValueError, IndexError, TypeError, StoreCapacityError: Bad input or
+                no room for a new entry; nothing is created, written or staged.
+        """
+        spans = request_spans(requests)
+        segs = slot_cuts.cut(slot_mapping, None, self.num_slots, self.block_size)
+        num_rows = len(segs.slots)
+        num_scheduled = spans[-1][1] if spans else 0
+        if num_scheduled != num_rows:
+            raise ValueError(
+                f"requests: expected num_new_tokens summing to {num_rows} (one per slot), "
+                f"found {num_scheduled}"
+            )
+        padded = step_outputs.padded_rows(num_tokens_padded, num_rows)
+        outputs = step_outputs.merge_outputs(hidden_states, multimodal_outputs)
+        new_specs, todo = step_outputs.direct_outputs(
+            self._layout, self._entries, outputs, num_rows, padded
+        )
+        deferred = step_outputs.deferred_outputs(self._entries, outputs, num_rows)
+        keys = check_block_keys(block_keys, self.num_blocks)
+        check_capacity(self._entries, new_specs, self.max_bytes)
+        # Every check passed: nothing below can fail.
+        results = self._write_direct(new_specs, todo, segs, keys)
+        self._staging.stage_step(deferred, requests, spans)
+        return results
 
     def synchronize(self) -> None:
         """Waits for every asynchronous copy into the cache tensors."""
