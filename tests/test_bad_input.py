@@ -892,7 +892,13 @@ CASES: list[Case] = [
         "store-zero-blocks",
         lambda w: TensorStore(0, 4),
         ValueError,
-        "num_blocks: expected >= 1, found 0",
+        "num_blocks: expected int >= 1, found 0",
+    ),
+    Case(
+        "store-max-bytes-float",
+        lambda w: TensorStore(4, 4, max_bytes=1.5),  # type: ignore[arg-type]
+        TypeError,
+        "max_bytes: expected int or None, found float",
     ),
     Case(
         "store-meta-device",
@@ -911,6 +917,12 @@ CASES: list[Case] = [
         lambda w: w.store.register("", 3, torch.float32),
         ValueError,
         "name: expected a non-empty str, found ''",
+    ),
+    Case(
+        "register-int-name",
+        lambda w: w.store.register(5, 3, torch.float32),  # type: ignore[arg-type]
+        TypeError,
+        "name: expected str, found int",
     ),
     Case(
         "register-changed",
@@ -995,7 +1007,19 @@ CASES: list[Case] = [
         "write-num-tokens",
         lambda w: w.store.write("h", rows(2), [24, 25], num_tokens=3),
         ValueError,
-        "num_tokens: expected int in 0..2, found 3",
+        "num_tokens: expected int in [0, 2] or None, found 3",
+    ),
+    Case(
+        "write-num-tokens-float",
+        lambda w: w.store.write("h", rows(2), [24, 25], num_tokens=1.0),  # type: ignore[arg-type]
+        TypeError,
+        "num_tokens: expected int or None, found float",
+    ),
+    Case(
+        "write-key-id-str",
+        lambda w: w.store.write("h", rows(4), [24, 25, 26, 27], block_keys={"6": BlockHash(H)}),  # type: ignore[dict-item]
+        TypeError,
+        "block_keys: expected int block ids, found str",
     ),
     Case(
         "write-key-block-range",
@@ -1041,7 +1065,13 @@ CASES: list[Case] = [
         "write-outputs-padded",
         lambda w: w.store.write_outputs([24, 25], hidden_states=rows(2), num_tokens_padded=1),
         ValueError,
-        "num_tokens_padded: expected int >= 2, found 1",
+        "num_tokens_padded: expected int >= 2 or None, found 1",
+    ),
+    Case(
+        "write-outputs-padded-float",
+        lambda w: w.store.write_outputs([24, 25], hidden_states=rows(2), num_tokens_padded=2.0),  # type: ignore[arg-type]
+        TypeError,
+        "num_tokens_padded: expected int or None, found float",
     ),
     Case(
         "write-step-rows-and-slots",
@@ -1082,6 +1112,12 @@ CASES: list[Case] = [
         lambda w: w.store.stage("r", "codes", rows(2, 2, torch.int64), token_start=-1),
         ValueError,
         "token_start: expected int >= 0, found -1",
+    ),
+    Case(
+        "stage-float-start",
+        lambda w: w.store.stage("r", "codes", rows(2, 2, torch.int64), token_start=1.0),  # type: ignore[arg-type]
+        TypeError,
+        "token_start: expected int, found float",
     ),
     Case(
         "stage-dtype",
@@ -1243,6 +1279,21 @@ CASES: list[Case] = [
         lambda w: w.store.new_read_buffers(-1),
         ValueError,
         "num_rows: expected int >= 0, found -1",
+    ),
+    Case(
+        "read-buffers-float",
+        lambda w: w.store.new_read_buffers(2.0),  # type: ignore[arg-type]
+        TypeError,
+        "num_rows: expected int, found float",
+    ),
+    Case(
+        "merged-float-new-tokens",
+        lambda w: w.store.read_merged(
+            [ScheduledRequest("a", 1.0)],  # type: ignore[arg-type]
+            multimodal_outputs={"h": rows(1)},
+        ),
+        TypeError,
+        "requests[0].num_new_tokens: expected int, found float",
     ),
 ]
 

@@ -24,7 +24,7 @@ from omnicache.store import (
 
 
 def test_constructor_rejects_bad_arguments() -> None:
-    with pytest.raises(ValueError, match=r"num_blocks: expected >= 1, found 0"):
+    with pytest.raises(ValueError, match=r"num_blocks: expected int >= 1, found 0"):
         TensorStore(0, 4)
     with pytest.raises(TypeError, match=r"block_size: expected int, found float"):
         TensorStore(4, 4.0)  # type: ignore[arg-type]
@@ -32,7 +32,7 @@ def test_constructor_rejects_bad_arguments() -> None:
         TensorStore(4, 4, device="meta")
     with pytest.raises(ValueError, match=r"hidden_size and hidden_dtype: expected both or neither"):
         TensorStore(4, 4, hidden_size=8)
-    with pytest.raises(ValueError, match=r"max_bytes: expected >= 0, found -1"):
+    with pytest.raises(ValueError, match=r"max_bytes: expected int >= 0 or None, found -1"):
         TensorStore(4, 4, max_bytes=-1)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match=r"CUDA is not available"):

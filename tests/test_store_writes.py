@@ -258,7 +258,7 @@ def rejected_write_cases(
     yield (
         "num_tokens",
         ValueError,
-        r"num_tokens: expected int in 0..4, found 5",
+        r"num_tokens: expected int in \[0, 4\] or None, found 5",
         lambda s: s.write("h", ok, slots, num_tokens=5),
     )
     yield (

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from omnicache.block_hash import BlockHash
+from omnicache.checks import check_int, check_str, type_name
 from omnicache.store.slots import IntArray
 from omnicache.store.specs import ScheduledRequest
 
@@ -14,7 +15,7 @@ from omnicache.store.specs import ScheduledRequest
 def check_block_id(what: str, block_id: int, num_blocks: int) -> None:
     """One block id: an int (numpy ints too, never a bool) in ``0..num_blocks - 1``."""
     if isinstance(block_id, bool) or not isinstance(block_id, (int, np.integer)):
-        raise TypeError(f"{what}: expected int, found {type(block_id).__name__}")
+        raise TypeError(f"{what}: expected int, found {type_name(block_id)}")
     if not 0 <= block_id < num_blocks:
         raise IndexError(f"{what}: expected 0..{num_blocks - 1}, found {block_id}")
 
@@ -57,7 +58,7 @@ def hit_blocks(
     if not all(issubclass(t, bytes) for t in set(map(type, block_keys))):
         for index, key in enumerate(block_keys):
             if not isinstance(key, bytes):
-                raise TypeError(f"block_keys[{index}]: expected bytes, found {type(key).__name__}")
+                raise TypeError(f"block_keys[{index}]: expected bytes, found {type_name(key)}")
     return block_id_array("block_ids", block_ids, num_blocks, distinct=distinct)
 
 
@@ -92,7 +93,7 @@ def check_block_keys(
     # NOTE: the exact-type test spares most calls the slower ABC check.
     if type(block_keys) is not dict and not isinstance(block_keys, Mapping):
         raise TypeError(
-            f"block_keys: expected a mapping block id -> key, found {type(block_keys).__name__}"
+            f"block_keys: expected a mapping block id -> key, found {type_name(block_keys)}"
         )
     if not block_keys:
         return block_keys
@@ -100,7 +101,9 @@ def check_block_keys(
     id_types = set(map(type, block_keys))
     if id_types != {int} or min(block_keys) < 0 or max(block_keys) >= num_blocks:
         for block_id in block_keys:
-            if type(block_id) is not int or not 0 <= block_id < num_blocks:
+            if type(block_id) is not int:
+                raise TypeError(f"block_keys: expected int block ids, found {type_name(block_id)}")
+            if not 0 <= block_id < num_blocks:
                 raise IndexError(
                     f"block_keys: expected block ids 0..{num_blocks - 1}, found {block_id!r}"
                 )
@@ -108,9 +111,7 @@ def check_block_keys(
     if not all(issubclass(t, bytes) for t in key_types):
         for block_id, key in block_keys.items():
             if not isinstance(key, bytes):
-                raise TypeError(
-                    f"block_keys[{block_id}]: expected bytes, found {type(key).__name__}"
-                )
+                raise TypeError(f"block_keys[{block_id}]: expected bytes, found {type_name(key)}")
     return block_keys
 
 
@@ -122,23 +123,26 @@ def request_spans(requests: Sequence[ScheduledRequest]) -> list[tuple[int, int]]
     for index, request in enumerate(requests):
         if not isinstance(request, ScheduledRequest):
             raise TypeError(
-                f"requests[{index}]: expected ScheduledRequest, found {type(request).__name__}"
+                f"requests[{index}]: expected ScheduledRequest, found {type_name(request)}"
             )
         n = request.num_new_tokens
-        if type(n) is not int or n < 0:
-            raise ValueError(f"requests[{index}].num_new_tokens: expected int >= 0, found {n}")
         computed = request.num_computed_tokens
-        if type(computed) is not int or computed < 0:
-            raise ValueError(
-                f"requests[{index}].num_computed_tokens: expected int >= 0, found {computed}"
-            )
-        if not isinstance(request.req_id, str):
-            raise TypeError(
-                f"requests[{index}].req_id: expected str, found {type(request.req_id).__name__}"
-            )
-        if request.req_id in seen:
-            raise ValueError(f"requests[{index}]: request {request.req_id!r} listed twice")
-        seen.add(request.req_id)
+        req_id = request.req_id
+        # NOTE: this loop runs for every request of every step; the checks
+        # (and their names) run only for a request that fails this test.
+        if (
+            type(n) is not int
+            or n < 0
+            or type(computed) is not int
+            or computed < 0
+            or not isinstance(req_id, str)
+        ):
+            check_int(f"requests[{index}].num_new_tokens", n, minimum=0)
+            check_int(f"requests[{index}].num_computed_tokens", computed, minimum=0)
+            check_str(f"requests[{index}].req_id", req_id)
+        if req_id in seen:
+            raise ValueError(f"requests[{index}]: request {req_id!r} listed twice")
+        seen.add(req_id)
         spans.append((start, start + n))
         start += n
     return spans

@@ -10,6 +10,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from omnicache.checks import check_bool, check_int, check_str, type_name
 from omnicache.store.slots import IntArray
 from omnicache.store.specs import EntrySpec, StoreCapacityError
 
@@ -44,15 +45,13 @@ def make_layout(
     num_blocks: int, block_size: int, device: str | torch.device, pin_memory: bool | None
 ) -> Layout:
     """Checks a store's geometry and device arguments (see `TensorStore`)."""
-    _check_positive_int("num_blocks", num_blocks)
-    _check_positive_int("block_size", block_size)
+    check_int("num_blocks", num_blocks, minimum=1)
+    check_int("block_size", block_size, minimum=1)
     dev = _parse_device(device)
     if pin_memory is None:
         pin = dev.type == "cpu" and torch.cuda.is_available()
-    elif type(pin_memory) is not bool:
-        raise TypeError(f"pin_memory: expected bool or None, found {type(pin_memory).__name__}")
     else:
-        pin = pin_memory
+        pin = check_bool("pin_memory", pin_memory)
     if pin and dev.type != "cpu":
         raise ValueError(f"pin_memory: expected False for device {dev}, found True")
     if pin and not torch.cuda.is_available():
@@ -84,8 +83,7 @@ def make_spec(
     layout: Layout, name: str, dim: int | Sequence[int], dtype: torch.dtype, deferred: bool
 ) -> EntrySpec:
     """Checks an entry's declaration; its ``nbytes`` are those of a cache in ``layout``."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"name: expected a non-empty str, found {name!r}")
+    check_str("name", name, nonempty=True)
     if isinstance(dim, int) and not isinstance(dim, bool):
         row_shape: tuple[int, ...] = (dim,)
     elif isinstance(dim, Sequence) and all(
@@ -93,13 +91,12 @@ def make_spec(
     ):
         row_shape = tuple(dim)
     else:
-        raise TypeError(f"dim: expected int or sequence of int, found {type(dim).__name__}")
+        raise TypeError(f"dim: expected int or sequence of int, found {type_name(dim)}")
     if not row_shape or any(d < 1 for d in row_shape):
         raise ValueError(f"dim: expected positive sizes, found {row_shape}")
     if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype: expected torch.dtype, found {type(dtype).__name__}")
-    if type(deferred) is not bool:
-        raise TypeError(f"deferred: expected bool, found {type(deferred).__name__}")
+        raise TypeError(f"dtype: expected torch.dtype, found {type_name(dtype)}")
+    check_bool("deferred", deferred)
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = layout.num_slots * math.prod(row_shape) * itemsize
     return EntrySpec(name, row_shape, dtype, deferred, nbytes)
@@ -184,9 +181,7 @@ def empty_rows(layout: Layout, entry: Entry, num_rows: int) -> torch.Tensor:
 def check_rows(spec: EntrySpec, rows: object, num_rows: int) -> None:
     """Rows a caller hands in for ``spec``: at least ``num_rows`` of them, on CPU or CUDA."""
     if not isinstance(rows, torch.Tensor):
-        raise TypeError(
-            f"entry {spec.name!r}: expected torch.Tensor rows, found {type(rows).__name__}"
-        )
+        raise TypeError(f"entry {spec.name!r}: expected torch.Tensor rows, found {type_name(rows)}")
     if rows.shape[1:] != spec.row_shape or rows.ndim != len(spec.row_shape) + 1:
         shape = ", ".join(map(str, spec.row_shape))
         raise ValueError(
@@ -206,7 +201,7 @@ def check_rows(spec: EntrySpec, rows: object, num_rows: int) -> None:
 def check_out(spec: EntrySpec, buf: object, num_rows: int, device: torch.device, what: str) -> None:
     """A caller's output buffer for ``num_rows`` rows of ``spec`` on ``device``."""
     if not isinstance(buf, torch.Tensor):
-        raise TypeError(f"{what}: expected torch.Tensor, found {type(buf).__name__}")
+        raise TypeError(f"{what}: expected torch.Tensor, found {type_name(buf)}")
     if tuple(buf.shape[1:]) != spec.row_shape or buf.shape[0] < num_rows:
         raise ValueError(
             f"{what}: expected shape (>= {num_rows}, {', '.join(map(str, spec.row_shape))}), "
@@ -220,16 +215,9 @@ def check_out(spec: EntrySpec, buf: object, num_rows: int, device: torch.device,
         raise ValueError(f"{what}: expected a contiguous buffer, found strides {buf.stride()}")
 
 
-def _check_positive_int(name: str, value: object) -> None:
-    if type(value) is not int:
-        raise TypeError(f"{name}: expected int, found {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name}: expected >= 1, found {value}")
-
-
 def _parse_device(device: str | torch.device) -> torch.device:
     if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"device: expected str or torch.device, found {type(device).__name__}")
+        raise TypeError(f"device: expected str or torch.device, found {type_name(device)}")
     try:
         dev = torch.device(device)
     except RuntimeError as exc:

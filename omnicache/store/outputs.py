@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
+from omnicache.checks import check_optional_int, type_name
 from omnicache.store.entries import Entry, Layout, check_rows, make_spec
 from omnicache.store.specs import HIDDEN_STATES, EntrySpec
 
@@ -17,7 +18,7 @@ def merge_outputs(
     outputs: dict[str, object] = {}
     if multimodal_outputs is not None and not isinstance(multimodal_outputs, Mapping):
         raise TypeError(
-            f"multimodal_outputs: expected a mapping, found {type(multimodal_outputs).__name__}"
+            f"multimodal_outputs: expected a mapping, found {type_name(multimodal_outputs)}"
         )
     if hidden_states is not None:
         if multimodal_outputs is not None and HIDDEN_STATES in multimodal_outputs:
@@ -32,10 +33,8 @@ def merge_outputs(
 
 def padded_rows(num_tokens_padded: int | None, num_rows: int) -> int:
     """Rows the model produced, padding included: at least ``num_rows`` (None: ``num_rows``)."""
-    padded = num_rows if num_tokens_padded is None else num_tokens_padded
-    if type(padded) is not int or padded < num_rows:
-        raise ValueError(f"num_tokens_padded: expected int >= {num_rows}, found {padded}")
-    return padded
+    padded = check_optional_int("num_tokens_padded", num_tokens_padded, minimum=num_rows)
+    return num_rows if padded is None else padded
 
 
 def direct_outputs(
@@ -66,7 +65,7 @@ def direct_outputs(
             if not isinstance(value, torch.Tensor):
                 raise TypeError(
                     f"outputs[{name!r}]: expected torch.Tensor for a cached entry, "
-                    f"found {type(value).__name__}"
+                    f"found {type_name(value)}"
                 )
             todo.append((existing.spec, value))
         elif name == HIDDEN_STATES or _is_per_token(value, num_tokens_padded):
@@ -74,7 +73,7 @@ def direct_outputs(
             # here is an error, never passed through as metadata.
             if not isinstance(value, torch.Tensor):
                 raise TypeError(
-                    f"outputs[{name!r}]: expected torch.Tensor, found {type(value).__name__}"
+                    f"outputs[{name!r}]: expected torch.Tensor, found {type_name(value)}"
                 )
             if value.ndim < 2:
                 raise ValueError(
@@ -99,9 +98,7 @@ def deferred_outputs(
         if existing is None or not existing.spec.deferred:
             continue
         if not isinstance(value, torch.Tensor):
-            raise TypeError(
-                f"outputs[{name!r}]: expected torch.Tensor, found {type(value).__name__}"
-            )
+            raise TypeError(f"outputs[{name!r}]: expected torch.Tensor, found {type_name(value)}")
         check_rows(existing.spec, value, num_rows)
         todo.append((existing, value))
     return todo

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from omnicache.block_hash import BlockHash
+from omnicache.checks import check_int, type_name
 from omnicache.store import outputs as step_outputs
 from omnicache.store.blocks import hit_block_list, hit_blocks, request_spans
 from omnicache.store.copies import gather_blocks, sync, widen_pair
@@ -142,7 +143,7 @@ class Reader:
             if not isinstance(value, torch.Tensor):
                 raise TypeError(
                     f"outputs[{name!r}]: expected torch.Tensor for a cached entry, "
-                    f"found {type(value).__name__}"
+                    f"found {type_name(value)}"
                 )
             check_rows(entry.spec, value, total_new)
             read.append((entry, value))
@@ -398,8 +399,7 @@ class ReadMethods:
                 every request read at once.
             names: Entries (default: every registered entry).
         """
-        if type(num_rows) is not int or num_rows < 0:
-            raise ValueError(f"num_rows: expected int >= 0, found {num_rows}")
+        check_int("num_rows", num_rows, minimum=0)
         return {
             entry.spec.name: empty_rows(self._layout, entry, num_rows).view(
                 num_rows, *entry.spec.row_shape

@@ -18,6 +18,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from omnicache.checks import check_optional_int, type_name
+
 IntArray = npt.NDArray[np.int64]
 
 # Slot tensor dtypes a write accepts.
@@ -94,15 +96,14 @@ def parse_slots(
     else:
         raise TypeError(
             "slot_mapping: expected torch.Tensor, numpy.ndarray or sequence of int, "
-            f"found {type(slot_mapping).__name__}"
+            f"found {type_name(slot_mapping)}"
         )
     if host.ndim != 1:
         raise ValueError(f"slot_mapping: expected 1 dim, found shape {host.shape}")
     if host.dtype.kind not in "iu":
         raise TypeError(f"slot_mapping: expected integers, found dtype {host.dtype}")
+    check_optional_int("num_tokens", num_tokens, minimum=0, maximum=len(host))
     n = len(host) if num_tokens is None else num_tokens
-    if type(n) is not int or not 0 <= n <= len(host):
-        raise ValueError(f"num_tokens: expected int in 0..{len(host)}, found {num_tokens}")
     # NOTE: contiguous, so that the copy can index with it (a reversed
     # view has negative strides, which torch.from_numpy refuses).
     slots = np.ascontiguousarray(host[:n], dtype=np.int64)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from omnicache.block_hash import BlockHash
+from omnicache.checks import check_int, check_str, type_name
 from omnicache.store import outputs as step_outputs
 from omnicache.store.blocks import block_id_array, check_block_keys, request_spans
 from omnicache.store.entries import Entry, Layout, check_rows, entry_named
@@ -42,12 +43,10 @@ class Staging:
             raise ValueError(
                 f"entry {entry.spec.name!r}: expected a deferred entry, found a direct one"
             )
-        if not isinstance(req_id, str):
-            raise TypeError(f"req_id: expected str, found {type(req_id).__name__}")
-        if type(token_start) is not int or token_start < 0:
-            raise ValueError(f"token_start: expected int >= 0, found {token_start}")
+        check_str("req_id", req_id)
+        check_int("token_start", token_start, minimum=0)
         if not isinstance(rows, torch.Tensor):
-            raise TypeError(f"rows: expected torch.Tensor, found {type(rows).__name__}")
+            raise TypeError(f"rows: expected torch.Tensor, found {type_name(rows)}")
         check_rows(entry.spec, rows, int(rows.shape[0]) if rows.ndim else 0)
         self._keep(entry.spec.name, req_id, rows, token_start)
 

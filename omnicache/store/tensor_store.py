@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from omnicache.block_hash import BlockHash
+from omnicache.checks import check_optional_int
 from omnicache.store import outputs as step_outputs
 from omnicache.store import slots as slot_cuts
 from omnicache.store.blocks import (
@@ -87,13 +88,7 @@ class TensorStore(DeferredMethods, ReadMethods):
         tier: BlockTier | None = None,
     ) -> None:
         layout = make_layout(num_blocks, block_size, device, pin_memory)
-        if max_bytes is not None:
-            if type(max_bytes) is not int:
-                raise TypeError(
-                    f"max_bytes: expected int or None, found {type(max_bytes).__name__}"
-                )
-            if max_bytes < 0:
-                raise ValueError(f"max_bytes: expected >= 0, found {max_bytes}")
+        check_optional_int("max_bytes", max_bytes, minimum=0)
         if (hidden_size is None) != (hidden_dtype is None):
             raise ValueError(
                 "hidden_size and hidden_dtype: expected both or neither, found "

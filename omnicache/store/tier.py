@@ -17,6 +17,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from omnicache.block_hash import BlockHash
+from omnicache.checks import type_name
 from omnicache.store.copies import sync
 from omnicache.store.entries import Entry, Layout, clear_blocks
 from omnicache.store.slots import IntArray
@@ -69,7 +70,7 @@ def check_tier(tier: object) -> None:
         callable(getattr(tier, "put", None)) and callable(getattr(tier, "get", None))
     ):
         raise TypeError(
-            f"tier: expected a BlockTier (put and get methods) or None, found {type(tier).__name__}"
+            f"tier: expected a BlockTier (put and get methods) or None, found {type_name(tier)}"
         )
 
 
@@ -99,7 +100,7 @@ class TierBridge:
             self._stats.num_tier_errors += 1
             _log.warning(
                 "tier %s failed to take %d blocks of %r: %r",
-                type(tier).__name__,
+                type_name(tier),
                 len(blocks),
                 name,
                 exc,
@@ -136,7 +137,7 @@ class TierBridge:
             # NOTE: a tier promises not to raise; one that does costs a miss,
             # never a failed request.
             self._stats.num_tier_errors += 1
-            _log.warning("tier %s failed a read, served as a miss: %r", type(tier).__name__, exc)
+            _log.warning("tier %s failed a read, served as a miss: %r", type_name(tier), exc)
             blocks = []
         clear_blocks(all_entries, ids)
         for index, rows_by_name in enumerate(blocks):
@@ -173,7 +174,7 @@ def _checked_tier_rows(
                 found_as = (
                     f"{tuple(rows.shape)} {rows.dtype}"
                     if isinstance(rows, torch.Tensor)
-                    else type(rows).__name__
+                    else type_name(rows)
                 )
                 raise ValueError(
                     f"tier: block {index}, entry {spec.name!r}: expected {shape} "
