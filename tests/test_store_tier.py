@@ -861,6 +861,100 @@ def test_a_tier_that_answers_rows_of_the_wrong_shape_or_dtype_is_a_counted_logge
     assert stamps(reader, READER_BLOCKS) == {name: [None, None, None] for name in NAMES}
 
 
+def store_device_name(cfg: DeviceConfig) -> str:
+    """The devices a store of ``cfg`` takes a tier's rows from, as its messages name them."""
+    if cfg.store_device == "cpu":
+        return "cpu"
+    return f"cpu or {torch.device('cuda', torch.cuda.current_device())}"
+
+
+# Rows a tier may hand back that the store cannot take: (what, answer, message
+# given the devices the store takes rows from).
+UNTAKEABLE_ANSWERS: list[tuple[str, Any, Callable[[str], str]]] = [
+    (
+        "rows on another device",
+        with_rows(0, HIDDEN_STATES, lambda r: torch.empty(r.shape, dtype=r.dtype, device="meta")),
+        lambda devices: (
+            f"tier: block 0, entry 'hidden_states': expected rows on {devices}, found meta"
+        ),
+    ),
+    (
+        "rows that require grad",
+        with_rows(1, HIDDEN_STATES, lambda r: r.clone().requires_grad_()),
+        lambda devices: (
+            "tier: block 1, entry 'hidden_states': expected rows that do not require grad, "
+            "found requires_grad=True"
+        ),
+    ),
+    (
+        "sparse rows",
+        with_rows(2, CODES, lambda r: r.to_sparse()),
+        lambda devices: "tier: block 2, entry 'codes': expected dense rows, found torch.sparse_coo",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [(answer, message) for _, answer, message in UNTAKEABLE_ANSWERS],
+    ids=[what for what, *_ in UNTAKEABLE_ANSWERS],
+)
+def test_a_tier_that_answers_rows_the_store_cannot_take_is_a_counted_logged_miss(
+    cfg: DeviceConfig,
+    caplog: pytest.LogCaptureFixture,
+    answer: Any,
+    message: Callable[[str], str],
+) -> None:
+    written = write_three_blocks(cfg)
+    tier = Answering(answer, written.tier)
+    reader = make(cfg, tier, num_blocks=6)
+    prestamp(cfg, reader, READER_BLOCKS)
+    # Blocks 1 and 2 hold rows computed here.
+    local = [1, 2]
+    local_keys = [key(300), key(301)]
+    local_h = hidden(cfg, 2 * BS, seed=9)
+    local_c = codes(cfg, 2 * BS, seed=9)
+    reader.write_outputs(
+        slots(local),
+        hidden_states=local_h,
+        multimodal_outputs={CODES: local_c},
+        block_keys=dict(zip(local, local_keys, strict=True)),
+    )
+    before = snapshot(reader)
+    with caplog.at_level(logging.WARNING, logger="omnicache.store"):
+        assert reader.read_through(READER_BLOCKS, KEYS) == 0
+    error = ValueError(message(store_device_name(cfg)))
+    assert_warned(caplog, f"tier Answering failed a read, served as a miss: {error!r}")
+    after = snapshot(reader)
+    assert after.stats == replace(before.stats, num_tier_queried_blocks=3, num_tier_errors=1)
+    # Nothing of the answer is kept, not even its good leading blocks; the
+    # given blocks are cleared as on any miss, and no other block changes.
+    assert after.rows == before.rows
+    assert stamps(reader, READER_BLOCKS) == {name: [None, None, None] for name in NAMES}
+    for name in NAMES:
+        assert filled(reader, name, READER_BLOCKS) == [0, 0, 0]
+    assert stamps(reader, local) == {name: local_keys for name in NAMES}
+    # Reads of the blocks computed here still work, the cache untouched by autograd.
+    got_h = reader.read_blocks(HIDDEN_STATES, local, local_keys)
+    assert not got_h.requires_grad
+    assert torch.equal(cpu(got_h), cpu(local_h))
+    assert torch.equal(cpu(reader.read_blocks(CODES, local, local_keys)), cpu(local_c))
+    new_h = hidden(cfg, 1, seed=10)
+    new_c = codes(cfg, 1, seed=10)
+    merged = reader.read_merged(
+        [ScheduledRequest("r", 1, 2 * BS, local, local_keys)],
+        hidden_states=new_h,
+        multimodal_outputs={CODES: new_c},
+    )
+    assert merged.misses == ()
+    assert torch.equal(cpu(merged.hidden_states["r"]), torch.cat([cpu(local_h), cpu(new_h)]))
+    assert torch.equal(cpu(merged.tensors[CODES]["r"]), torch.cat([cpu(local_c), cpu(new_c)]))
+    # A tier that answers well again fills the blocks.
+    reader.tier = written.tier
+    assert reader.read_through(READER_BLOCKS, KEYS) == 3
+    assert torch.equal(cpu(reader.read_blocks(HIDDEN_STATES, READER_BLOCKS, KEYS)), written.hidden)
+
+
 @pytest.mark.parametrize(
     ("num_blocks", "block_ids", "small_path"),
     [(8, [2, 5], True), (128, list(range(3, 73)), False)],

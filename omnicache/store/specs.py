@@ -160,7 +160,7 @@ class StoreStats:
     # Blocks `read_through` filled from the tier, and blocks it asked for.
     num_tier_hit_blocks: int = 0
     num_tier_queried_blocks: int = 0
-    # Tier calls that raised, or returned rows the store cannot take (wrong
-    # shape, dtype or device, or tracked by autograd): a broken tier is
-    # counted, logged and treated as a miss.
+    # Tier calls that raised, or returned rows the store cannot take (of the
+    # wrong shape, dtype, layout or device, or requiring grad): a broken tier
+    # is counted, logged and treated as a miss.
     num_tier_errors: int = 0

@@ -132,13 +132,15 @@ class TierBridge:
         self._stats.num_tier_queried_blocks += len(ids)
         try:
             found = list(tier.get(list(block_keys), specs, bs))
-            blocks = _checked_tier_rows(found, specs, bs, len(ids))
+            blocks = _checked_tier_rows(found, specs, bs, len(ids), self._layout.device)
         except Exception as exc:
             # NOTE: a tier promises not to raise; one that does costs a miss,
             # never a failed request.
             self._stats.num_tier_errors += 1
             _log.warning("tier %s failed a read, served as a miss: %r", type_name(tier), exc)
             blocks = []
+        # NOTE: every row was checked before any block lost its stamp, so
+        # that the copies below cannot fail (nor bring autograd into a cache).
         clear_blocks(all_entries, ids)
         for index, rows_by_name in enumerate(blocks):
             block_id = int(ids[index])
@@ -158,13 +160,22 @@ def _checked_tier_rows(
     specs: Sequence[EntrySpec],
     block_size: int,
     num_keys: int,
+    device: torch.device,
 ) -> list[Mapping[str, torch.Tensor]]:
-    """What a tier returned, or ValueError when it broke `BlockTier.get`'s contract."""
+    """What a tier returned, or ValueError when the store cannot take it.
+
+    Beyond `BlockTier.get`'s contract (at most ``num_keys`` blocks of rows of
+    each spec's shape and dtype), the rows must be dense, on the CPU or the
+    store's ``device``, and free of autograd: rows that require grad would
+    leave the cache tracking autograd, and every later read of it would fail.
+    """
     if len(found) > num_keys:
         raise ValueError(f"tier: expected at most {num_keys} blocks, found {len(found)}")
+    devices = "cpu" if device.type == "cpu" else f"cpu or {device}"
     for index, rows_by_name in enumerate(found):
         for spec in specs:
             rows = rows_by_name.get(spec.name)
+            what = f"tier: block {index}, entry {spec.name!r}"
             shape = (block_size, *spec.row_shape)
             if (
                 not isinstance(rows, torch.Tensor)
@@ -176,8 +187,13 @@ def _checked_tier_rows(
                     if isinstance(rows, torch.Tensor)
                     else type_name(rows)
                 )
+                raise ValueError(f"{what}: expected {shape} {spec.dtype}, found {found_as}")
+            if rows.layout != torch.strided:
+                raise ValueError(f"{what}: expected dense rows, found {rows.layout}")
+            if not (rows.is_cpu or rows.device == device):
+                raise ValueError(f"{what}: expected rows on {devices}, found {rows.device}")
+            if rows.requires_grad:
                 raise ValueError(
-                    f"tier: block {index}, entry {spec.name!r}: expected {shape} "
-                    f"{spec.dtype}, found {found_as}"
+                    f"{what}: expected rows that do not require grad, found requires_grad=True"
                 )
     return found
