@@ -12,6 +12,8 @@ import torch
 from helpers import DeviceConfig, block_slots, key
 from store_helpers import assert_same, make, rows, snapshot
 
+import omnicache
+import omnicache.store
 from omnicache.block_pool import BlockPool
 from omnicache.store import (
     HIDDEN_STATES,
@@ -173,3 +175,9 @@ def test_invalidate(cfg: DeviceConfig) -> None:
         TypeError, match=r"block_ids: expected a flat sequence of int, found \[1.5\]"
     ):
         store.invalidate([1.5])  # type: ignore[list-item]
+
+
+def test_every_store_name_is_exported_from_omnicache() -> None:
+    assert set(omnicache.store.__all__) <= set(omnicache.__all__)
+    for name in omnicache.store.__all__:
+        assert getattr(omnicache, name) is getattr(omnicache.store, name), name
