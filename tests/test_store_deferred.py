@@ -12,10 +12,7 @@ import torch
 from helpers import DeviceConfig, cpu, key
 from store_helpers import assert_same, make, rows, snapshot
 
-from omnicache.store import (
-    ScheduledRequest,
-    WriteResult,
-)
+from omnicache.store import ScheduledRequest, WriteResult
 
 # -- deferred entries -------------------------------------------------------------
 

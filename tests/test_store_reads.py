@@ -12,13 +12,7 @@ import torch
 from helpers import DeviceConfig, block_slots, cpu, key
 from store_helpers import assert_same, make, rows, snapshot
 
-from omnicache.store import (
-    HIDDEN_STATES,
-    MergedRead,
-    ReadMiss,
-    ScheduledRequest,
-    StaleBlockError,
-)
+from omnicache.store import HIDDEN_STATES, MergedRead, ReadMiss, ScheduledRequest, StaleBlockError
 
 # -- merged reads ---------------------------------------------------------------
 

@@ -15,11 +15,7 @@ import torch
 from helpers import DEVICE_CONFIGS, DeviceConfig, block_slots, cpu, key
 from store_helpers import SCATTERED, assert_same, make, rows, snapshot
 
-from omnicache.store import (
-    StaleBlockError,
-    TensorStore,
-    WriteResult,
-)
+from omnicache.store import StaleBlockError, TensorStore, WriteResult
 
 # -- writes and stamps --------------------------------------------------------
 
