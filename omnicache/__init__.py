@@ -77,21 +77,9 @@ __all__ = [
     "block_hash_low64",
 ]
 
-# The store's names, imported from omnicache.store (and torch) on first use.
-_LAZY = {
-    "HIDDEN_STATES",
-    "BlockTier",
-    "EntrySpec",
-    "MergedRead",
-    "ReadMiss",
-    "ScheduledRequest",
-    "StaleBlockError",
-    "StoreCapacityError",
-    "StoreStats",
-    "TensorStore",
-    "TierBlock",
-    "WriteResult",
-}
+# The names of __all__ not imported above: the store's, imported from
+# omnicache.store (and so torch) on first use.
+_LAZY = frozenset(__all__) - frozenset(globals())
 
 
 def __getattr__(name: str) -> Any:
