@@ -380,7 +380,9 @@ class ReadMethods:
 
         Returns:
             How many leading blocks were filled (0 without a tier, or when the
-            tier misses, is down or fails).
+            tier misses, is down, fails, or answers rows the store cannot
+            take: of another shape, dtype, layout or device, or requiring
+            grad).
         """
         entries = entries_named(self._entries, names)
         ids = hit_blocks(block_ids, block_keys, self.num_blocks, distinct=True)
