@@ -57,22 +57,23 @@ allocated blocks with the rows the tier holds for their keys and stamps them
 (read-through on a local miss). The store knows nothing of how a tier keeps
 its blocks, and a tier that fails costs misses, never an exception.
 
-Modules, one idea each (only the names below are the store's API):
+Modules, one idea each (the store's API is what this package exports):
 
     specs         what callers hand in and get back: specs, requests,
                   results, counters, errors
-    tensor_store  TensorStore: owns entries and counters, checks arguments,
-                  delegates to the modules below
-    entries       the layout, each entry's cache, stamps and fill counts
+    tensor_store  TensorStore: owns entries and counters, checks arguments
+                  and delegates; construction, entries, inspection, writes
+    staging       rows of deferred entries, kept per request until commit,
+                  and TensorStore's methods for them
+    reads         block reads and merged reads, and TensorStore's read methods
+    tier          the BlockTier interface, and the bridge to a tier
+    writes        applying a checked write
+    fill          the fill rule and the stamp rule, each written once
+    copies        moving rows, and waiting for asynchronous copies
+    entries       the layout; each entry's cache, stamps and fill counts
+    outputs       a step's outputs: written, creating an entry, or passed through
     slots         slot mappings cut into runs (numpy, or Python ints when small)
     blocks        block ids, block keys and a step's requests, checked
-    outputs       a step's outputs: written, creating an entry, or passed through
-    fill          the fill rule and the stamp rule, written once
-    writes        applying a checked write
-    copies        moving rows, and waiting for asynchronous copies
-    staging       rows of deferred entries, kept per request until commit
-    reads         block reads and merged reads
-    tier          the BlockTier interface and the bridge to a tier
 """
 
 from omnicache.store.specs import (
