@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 
+from omnicache.block_hash import BlockHash
 from omnicache.checks import check_optional_int, type_name
 from omnicache.store.entries import Entry, Layout, check_rows, make_spec
 from omnicache.store.specs import HIDDEN_STATES, EntrySpec
+
+
+class DirectWrites(NamedTuple):
+    """A step's checked writes of direct entries: applying them cannot fail."""
+
+    # Entries the step's outputs create (checked to fit under max_bytes).
+    new_specs: list[EntrySpec]
+    # Each entry written, and its rows.
+    todo: list[tuple[EntrySpec, torch.Tensor]]
+    # Checked keys of blocks the writes may complete.
+    block_keys: Mapping[int, BlockHash]
 
 
 def merge_outputs(
@@ -62,12 +75,7 @@ def direct_outputs(
         if existing is not None:
             if existing.spec.deferred:
                 continue
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(
-                    f"outputs[{name!r}]: expected torch.Tensor for a cached entry, "
-                    f"found {type_name(value)}"
-                )
-            todo.append((existing.spec, value))
+            todo.append((existing.spec, entry_output(name, value)))
         elif name == HIDDEN_STATES or _is_per_token(value, num_tokens_padded):
             # NOTE: hidden states are always cached: anything but a tensor
             # here is an error, never passed through as metadata.
@@ -102,6 +110,15 @@ def deferred_outputs(
         check_rows(existing.spec, value, num_rows)
         todo.append((existing, value))
     return todo
+
+
+def entry_output(name: str, value: object) -> torch.Tensor:
+    """The output of registered entry ``name``: a tensor (its rows are checked apart)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"outputs[{name!r}]: expected torch.Tensor for a cached entry, found {type_name(value)}"
+        )
+    return value
 
 
 def _is_per_token(value: object, num_tokens: int) -> bool:

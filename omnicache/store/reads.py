@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from omnicache.block_hash import BlockHash
-from omnicache.checks import check_int, type_name
+from omnicache.checks import check_int
 from omnicache.store import outputs as step_outputs
 from omnicache.store.blocks import hit_block_list, hit_blocks, request_spans
 from omnicache.store.copies import gather_blocks, sync, widen_pair
@@ -140,13 +140,9 @@ class Reader:
             if entry is None:
                 passthrough[name] = value
                 continue
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(
-                    f"outputs[{name!r}]: expected torch.Tensor for a cached entry, "
-                    f"found {type_name(value)}"
-                )
-            check_rows(entry.spec, value, total_new)
-            read.append((entry, value))
+            rows = step_outputs.entry_output(name, value)
+            check_rows(entry.spec, rows, total_new)
+            read.append((entry, rows))
         live = [entry for entry, _ in read]
         misses: list[ReadMiss] = []
         # Output row offset of each request that is read, None for a miss.

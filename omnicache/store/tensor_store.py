@@ -348,16 +348,11 @@ class TensorStore(DeferredMethods, ReadMethods):
                 no room for a new entry; nothing is created or written.
         """
         segs = slot_cuts.cut(slot_mapping, num_tokens, self.num_slots, self.block_size)
-        num_rows = len(segs.slots)
-        padded = step_outputs.padded_rows(num_tokens_padded, num_rows)
-        outputs = step_outputs.merge_outputs(hidden_states, multimodal_outputs)
-        new_specs, todo = step_outputs.direct_outputs(
-            self._layout, self._entries, outputs, num_rows, padded
+        _, direct = self._checked_outputs(
+            len(segs.slots), hidden_states, multimodal_outputs, block_keys, num_tokens_padded
         )
-        keys = check_block_keys(block_keys, self.num_blocks)
-        check_capacity(self._entries, new_specs, self.max_bytes)
         # Every check passed: create the new entries, then write.
-        return self._write_direct(new_specs, todo, segs, keys)
+        return self._write_direct(direct, segs)
 
     def write_step(
         self,
@@ -404,16 +399,12 @@ class TensorStore(DeferredMethods, ReadMethods):
                 f"requests: expected num_new_tokens summing to {num_rows} (one per slot), "
                 f"found {num_scheduled}"
             )
-        padded = step_outputs.padded_rows(num_tokens_padded, num_rows)
-        outputs = step_outputs.merge_outputs(hidden_states, multimodal_outputs)
-        new_specs, todo = step_outputs.direct_outputs(
-            self._layout, self._entries, outputs, num_rows, padded
+        outputs, direct = self._checked_outputs(
+            num_rows, hidden_states, multimodal_outputs, block_keys, num_tokens_padded
         )
         deferred = step_outputs.deferred_outputs(self._entries, outputs, num_rows)
-        keys = check_block_keys(block_keys, self.num_blocks)
-        check_capacity(self._entries, new_specs, self.max_bytes)
         # Every check passed: nothing below can fail.
-        results = self._write_direct(new_specs, todo, segs, keys)
+        results = self._write_direct(direct, segs)
         self._staging.stage_step(deferred, requests, spans)
         return results
 
@@ -424,17 +415,33 @@ class TensorStore(DeferredMethods, ReadMethods):
 
     # -- internals ----------------------------------------------------------
 
-    def _write_direct(
+    def _checked_outputs(
         self,
-        new_specs: Sequence[EntrySpec],
-        todo: Sequence[tuple[EntrySpec, torch.Tensor]],
-        segs: slot_cuts.Segments | slot_cuts.SmallSegments,
-        keys: Mapping[int, BlockHash],
+        num_rows: int,
+        hidden_states: torch.Tensor | None,
+        multimodal_outputs: Mapping[str, object] | None,
+        block_keys: Mapping[int, BlockHash] | None,
+        num_tokens_padded: int | None,
+    ) -> tuple[dict[str, object], step_outputs.DirectWrites]:
+        """A step's outputs in one mapping, and its direct writes of ``num_rows`` rows, checked."""
+        padded = step_outputs.padded_rows(num_tokens_padded, num_rows)
+        outputs = step_outputs.merge_outputs(hidden_states, multimodal_outputs)
+        new_specs, todo = step_outputs.direct_outputs(
+            self._layout, self._entries, outputs, num_rows, padded
+        )
+        keys = check_block_keys(block_keys, self.num_blocks)
+        check_capacity(self._entries, new_specs, self.max_bytes)
+        return outputs, step_outputs.DirectWrites(new_specs, todo, keys)
+
+    def _write_direct(
+        self, direct: step_outputs.DirectWrites, segs: slot_cuts.Segments | slot_cuts.SmallSegments
     ) -> dict[str, WriteResult]:
-        """Creates checked new entries, then writes checked rows into each entry."""
-        for spec in new_specs:
+        """Creates the new entries, then writes each entry's rows."""
+        for spec in direct.new_specs:
             self._entries[spec.name] = new_entry(self._layout, spec)
         return {
-            spec.name: self._writer.apply(self._entries[spec.name], value, segs, keys, self.tier)
-            for spec, value in todo
+            spec.name: self._writer.apply(
+                self._entries[spec.name], rows, segs, direct.block_keys, self.tier
+            )
+            for spec, rows in direct.todo
         }
