@@ -30,10 +30,24 @@ from omnicache.prefix_cache import PrefixCache, PrefixCacheStats, RequestBlocks
 from omnicache.preprocess import annotate_prompt
 
 if TYPE_CHECKING:
-    from omnicache.store import StaleBlockError, StoreCapacityError, TensorStore
+    from omnicache.store import (
+        HIDDEN_STATES,
+        BlockTier,
+        EntrySpec,
+        MergedRead,
+        ReadMiss,
+        ScheduledRequest,
+        StaleBlockError,
+        StoreCapacityError,
+        StoreStats,
+        TensorStore,
+        TierBlock,
+        WriteResult,
+    )
 
 __all__ = [
     "DEFAULT_BLOCK_ALGORITHM",
+    "HIDDEN_STATES",
     "AllBlocksCleared",
     "AnnotatedTokens",
     "BlockHash",
@@ -41,21 +55,31 @@ __all__ = [
     "BlockPool",
     "BlockRemoved",
     "BlockStored",
+    "BlockTier",
     "CacheBlock",
+    "EntrySpec",
+    "MergedRead",
     "PrefixCache",
     "PrefixCacheStats",
+    "ReadMiss",
     "RequestBlocks",
+    "ScheduledRequest",
     "StaleBlockError",
     "StoreCapacityError",
+    "StoreStats",
     "TensorStore",
+    "TierBlock",
     "TokenBlock",
     "TokenRangeAnnotation",
+    "WriteResult",
     "annotate_prompt",
     "block_hash_hex",
     "block_hash_low64",
 ]
 
-_LAZY = {"TensorStore", "StaleBlockError", "StoreCapacityError"}
+# The names of __all__ not imported above: the store's, imported from
+# omnicache.store (and so torch) on first use.
+_LAZY = frozenset(__all__) - frozenset(globals())
 
 
 def __getattr__(name: str) -> Any:

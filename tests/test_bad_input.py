@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from store_helpers import Snapshot as StoreSnapshot
+from store_helpers import snapshot as store_snapshot
 
 from hashing import (
     ContentHash,
@@ -119,17 +121,12 @@ class Snapshot(NamedTuple):
     prompts: tuple[object, ...]
     # Length of the token buffers the prompts share with their extensions.
     buffer_lengths: tuple[int, ...]
-    store_bytes: dict[str, bytes]
-    stamps: dict[str, list[object]]
-    filled: dict[str, list[int]]
-    entries: object
-    store_stats: object
-    staged: dict[str, dict[str, list[tuple[int, bytes]]]]
+    # Rows, stamps, fill counts, entries, counters and staged rows.
+    store: StoreSnapshot
 
 
 def snapshot(world: World) -> Snapshot:
     pool, cache, store = world.pool, world.cache, world.store
-    store.synchronize()
     return Snapshot(
         free_queue=[b.block_id for b in pool.free_block_queue],
         table={k: b.block_id for k, b in pool.hash_to_block.items()},
@@ -151,18 +148,7 @@ def snapshot(world: World) -> Snapshot:
         cache_stats=cache.stats(),
         prompts=tuple((p.tolist(), p.annotations) for p in (world.done, world.live)),
         buffer_lengths=tuple(len(p._buf) for p in (world.done, world.live)),
-        store_bytes={name: e.cache.cpu().numpy().tobytes() for name, e in store._entries.items()},
-        stamps={name: list(e.stamps) for name, e in store._entries.items()},
-        filled={name: e.filled.tolist() for name, e in store._entries.items()},
-        entries=store.entries,
-        store_stats=store.stats,
-        staged={
-            rid: {
-                name: [(start, chunk.cpu().numpy().tobytes()) for start, chunk in chunks]
-                for name, chunks in per.items()
-            }
-            for rid, per in store._staged.items()
-        },
+        store=store_snapshot(store),
     )
 
 
@@ -906,7 +892,13 @@ CASES: list[Case] = [
         "store-zero-blocks",
         lambda w: TensorStore(0, 4),
         ValueError,
-        "num_blocks: expected >= 1, found 0",
+        "num_blocks: expected int >= 1, found 0",
+    ),
+    Case(
+        "store-max-bytes-float",
+        lambda w: TensorStore(4, 4, max_bytes=1.5),  # type: ignore[arg-type]
+        TypeError,
+        "max_bytes: expected int or None, found float",
     ),
     Case(
         "store-meta-device",
@@ -925,6 +917,12 @@ CASES: list[Case] = [
         lambda w: w.store.register("", 3, torch.float32),
         ValueError,
         "name: expected a non-empty str, found ''",
+    ),
+    Case(
+        "register-int-name",
+        lambda w: w.store.register(5, 3, torch.float32),  # type: ignore[arg-type]
+        TypeError,
+        "name: expected str, found int",
     ),
     Case(
         "register-changed",
@@ -1009,7 +1007,19 @@ CASES: list[Case] = [
         "write-num-tokens",
         lambda w: w.store.write("h", rows(2), [24, 25], num_tokens=3),
         ValueError,
-        "num_tokens: expected int in 0..2, found 3",
+        "num_tokens: expected int in [0, 2] or None, found 3",
+    ),
+    Case(
+        "write-num-tokens-float",
+        lambda w: w.store.write("h", rows(2), [24, 25], num_tokens=1.0),  # type: ignore[arg-type]
+        TypeError,
+        "num_tokens: expected int or None, found float",
+    ),
+    Case(
+        "write-key-id-str",
+        lambda w: w.store.write("h", rows(4), [24, 25, 26, 27], block_keys={"6": BlockHash(H)}),  # type: ignore[dict-item]
+        TypeError,
+        "block_keys: expected int block ids, found str",
     ),
     Case(
         "write-key-block-range",
@@ -1055,7 +1065,41 @@ CASES: list[Case] = [
         "write-outputs-padded",
         lambda w: w.store.write_outputs([24, 25], hidden_states=rows(2), num_tokens_padded=1),
         ValueError,
-        "num_tokens_padded: expected int >= 2, found 1",
+        "num_tokens_padded: expected int >= 2 or None, found 1",
+    ),
+    Case(
+        "write-outputs-padded-float",
+        lambda w: w.store.write_outputs([24, 25], hidden_states=rows(2), num_tokens_padded=2.0),  # type: ignore[arg-type]
+        TypeError,
+        "num_tokens_padded: expected int or None, found float",
+    ),
+    Case(
+        "write-step-rows-and-slots",
+        lambda w: w.store.write_step(
+            [ScheduledRequest("r", 1)], [24, 25], multimodal_outputs={"h": rows(2)}
+        ),
+        ValueError,
+        "requests: expected num_new_tokens summing to 2 (one per slot), found 1",
+    ),
+    Case(
+        "write-step-deferred-dtype",
+        lambda w: w.store.write_step(
+            [ScheduledRequest("r", 2)],
+            [24, 25],
+            multimodal_outputs={"h": rows(2), "codes": rows(2, 2)},
+        ),
+        ValueError,
+        "entry 'codes': expected dtype torch.int64, found torch.float32",
+    ),
+    Case(
+        "write-step-direct-shape",
+        lambda w: w.store.write_step(
+            [ScheduledRequest("r", 2)],
+            [24, 25],
+            multimodal_outputs={"h": rows(2, 4), "codes": rows(2, 2, torch.int64)},
+        ),
+        ValueError,
+        "entry 'h': expected rows of shape (n, 3), found (2, 4)",
     ),
     Case(
         "stage-direct-entry",
@@ -1068,6 +1112,12 @@ CASES: list[Case] = [
         lambda w: w.store.stage("r", "codes", rows(2, 2, torch.int64), token_start=-1),
         ValueError,
         "token_start: expected int >= 0, found -1",
+    ),
+    Case(
+        "stage-float-start",
+        lambda w: w.store.stage("r", "codes", rows(2, 2, torch.int64), token_start=1.0),  # type: ignore[arg-type]
+        TypeError,
+        "token_start: expected int, found float",
     ),
     Case(
         "stage-dtype",
@@ -1229,6 +1279,21 @@ CASES: list[Case] = [
         lambda w: w.store.new_read_buffers(-1),
         ValueError,
         "num_rows: expected int >= 0, found -1",
+    ),
+    Case(
+        "read-buffers-float",
+        lambda w: w.store.new_read_buffers(2.0),  # type: ignore[arg-type]
+        TypeError,
+        "num_rows: expected int, found float",
+    ),
+    Case(
+        "merged-float-new-tokens",
+        lambda w: w.store.read_merged(
+            [ScheduledRequest("a", 1.0)],  # type: ignore[arg-type]
+            multimodal_outputs={"h": rows(1)},
+        ),
+        TypeError,
+        "requests[0].num_new_tokens: expected int, found float",
     ),
 ]
 

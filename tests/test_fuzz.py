@@ -687,8 +687,8 @@ def _assert_store_matches(store: TensorStore, model: StoreModel, names: list[str
         shape, dtype = ENTRIES[name]
         stamps = [store.stamp_of(name, b) for b in range(model.num_blocks)]
         assert stamps == model.stamps[name]
-        assert store._entries[name].filled.tolist() == model.filled[name]
-        cache = store._entries[name].cache.reshape(num_slots, -1)
+        assert [store.filled_of(name, b) for b in range(model.num_blocks)] == model.filled[name]
+        cache = store.cached_rows(name).reshape(num_slots, -1)
         assert torch.equal(cache, _tensor(model.rows[name], (int(np.prod(shape)),), dtype))
 
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import redis
 import torch
+from helpers import key
 from redis_server import RedisServer, start_cluster
 
-from omnicache.block_hash import BlockHash
 from omnicache.demo import cli
 from omnicache.demo.processor import Processor
 from omnicache.demo.workloads import synthetic_trace
@@ -43,10 +43,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def key(i: int) -> BlockHash:
-    return BlockHash(i.to_bytes(4, "big") * 8)
 
 
 def rows(i: int) -> torch.Tensor:

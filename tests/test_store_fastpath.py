@@ -12,30 +12,32 @@ stamps, fill counts, counters and results, and raise the same errors.
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
 import torch
+from helpers import DEVICES, key
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from store_helpers import assert_same, snapshot
 
-import omnicache.store as store_module
 from omnicache.block_hash import BlockHash
 from omnicache.store import (
-    _SMALL_WRITE_MAX_ROWS,
     HIDDEN_STATES,
     MergedRead,
     ReadMiss,
     ScheduledRequest,
     TensorStore,
     WriteResult,
-    _SmallSegments,
 )
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+from omnicache.store import reads as reads_module
+from omnicache.store import slots as slots_module
+from omnicache.store.blocks import hit_blocks
+from omnicache.store.writes import Writer
 
 # name -> (row shape, dtype). Rows of 16, 12 and 6 bytes move as complex128,
 # int32 and int16 (the widened copies); hidden states are created by a write.
@@ -47,32 +49,55 @@ ENTRIES: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
 KEYS = [BlockHash(bytes([i]) * 16) for i in range(4)]
 
 
-def key(i: int) -> BlockHash:
-    return BlockHash(i.to_bytes(16, "little"))
+@contextlib.contextmanager
+def general_paths() -> Iterator[None]:
+    """Switches the store's quick paths off: the general code handles every call.
+
+    Writes never take the small path, and merged reads check every request's
+    hit blocks with numpy.
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(slots_module, "small_segments", lambda *args: None)
+        patch.setattr(reads_module, "hit_block_list", lambda *args: hit_blocks(*args).tolist())
+        yield
+
+
+class _GeneralTwin:
+    """A store whose every method runs under `general_paths`."""
+
+    def __init__(self, store: TensorStore) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._store, name)
+        if not callable(value):
+            return value
+
+        @functools.wraps(value)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with general_paths():
+                return value(*args, **kwargs)
+
+        return call
 
 
 def general_twin(store: TensorStore) -> TensorStore:
-    """Switches ``store``'s quick paths off: the general code handles every call.
+    """``store`` with its quick paths switched off: the general code handles every call.
 
-    Merged reads check stamps with the module's `_num_valid_list`; `general`
-    runs them with the vectorized `_num_valid` instead.
+    Merged reads check stamps with the reads module's `num_valid_list`;
+    `vectorized_stamp_checks` runs them with the vectorized `num_valid` instead.
     """
-    store._small_segments = lambda *args: None  # type: ignore[method-assign]
-    store._hit_block_list = lambda *args: store._hit_blocks(*args).tolist()  # type: ignore[method-assign]
-    return store
+    return cast(TensorStore, _GeneralTwin(store))
 
 
 @contextlib.contextmanager
 def vectorized_stamp_checks() -> Iterator[None]:
     def num_valid(entries: Any, ids: list[int], keys: Any) -> Any:
-        return store_module._num_valid(entries, np.array(ids, dtype=np.int64), keys)
+        return reads_module.num_valid(entries, np.array(ids, dtype=np.int64), keys)
 
-    saved = store_module._num_valid_list
-    store_module._num_valid_list = num_valid
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(reads_module, "num_valid_list", num_valid)
         yield
-    finally:
-        store_module._num_valid_list = saved
 
 
 def new_pair(num_blocks: int, block_size: int, device: str) -> tuple[TensorStore, TensorStore]:
@@ -85,24 +110,8 @@ def new_pair(num_blocks: int, block_size: int, device: str) -> tuple[TensorStore
     return pair[0], general_twin(pair[1])
 
 
-def state(store: TensorStore) -> Any:
-    store.synchronize()
-    return (
-        {name: e.cache.cpu().clone() for name, e in store._entries.items()},
-        {name: list(e.stamps) for name, e in store._entries.items()},
-        {name: e.filled.tolist() for name, e in store._entries.items()},
-        store.entries,
-        store.stats,
-    )
-
-
 def assert_same_state(fast: TensorStore, general: TensorStore) -> None:
-    caches, *rest = state(fast)
-    caches_g, *rest_g = state(general)
-    assert caches.keys() == caches_g.keys()
-    for name, cache in caches.items():
-        assert torch.equal(cache, caches_g[name]), name
-    assert rest == rest_g
+    assert_same(snapshot(fast), snapshot(general))
 
 
 def outcome(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -137,13 +146,13 @@ def test_decode_step_takes_the_small_path(device: str, monkeypatch: pytest.Monke
     store = TensorStore(16, 4, device=device)
     store.register("h", 4, torch.float32)
     calls: list[int] = []
-    apply_small = TensorStore._apply_small
+    apply_small = Writer.apply_small
 
-    def spy(self: TensorStore, *args: Any) -> WriteResult:
+    def spy(self: Writer, *args: Any) -> WriteResult:
         calls.append(len(args[2].slots))
         return apply_small(self, *args)
 
-    monkeypatch.setattr(TensorStore, "_apply_small", spy)
+    monkeypatch.setattr(Writer, "apply_small", spy)
     rows = torch.arange(12, dtype=torch.float32).view(3, 4).to(device)
     # Three requests, one row each, in distinct blocks; block 5 fills on its last row.
     store.invalidate([5])
@@ -152,61 +161,8 @@ def test_decode_step_takes_the_small_path(device: str, monkeypatch: pytest.Monke
     assert result == WriteResult("h", 3, (5,), (10,))
     assert calls == [3, 3]
     assert store.stamp_of("h", 5) == key(5)
-    assert store._entries["h"].filled[[0, 5, 10]].tolist() == [-1, 4, 1]
-    assert torch.equal(store._entries["h"].flat[23].cpu(), rows[1].cpu())
-
-
-def test_small_segments_accepts_exactly_small_valid_distinct_slots() -> None:
-    store = TensorStore(128, 4)
-    limit = _SMALL_WRITE_MAX_ROWS
-    scattered = [b * 4 + 1 for b in range(limit)]
-    accepted: list[object] = [
-        [9],
-        scattered[:64],
-        np.array(scattered[:64], dtype=np.int32),
-        np.array(scattered[:64])[::-1],
-        torch.tensor(scattered[:64]),
-        torch.tensor(scattered[:64], dtype=torch.int32),
-        list(range(limit)),
-        [1, 3, 2],
-    ]
-    for mapping in accepted:
-        assert isinstance(store._small_segments(mapping, None), _SmallSegments), mapping
-    segs = store._small_segments([4, 5, 6, 7, 8, 13, 15, 14], None)
-    assert segs == _SmallSegments(
-        [4, 5, 6, 7, 8, 13, 15, 14],
-        None,
-        [1, 2, 3, 3, 3],
-        [(1, 0, 4), (2, 0, 1), (3, 1, 1), (3, 3, 1), (3, 2, 1)],
-        True,
-        False,
-    )
-    assert store._small_segments([6, 7, 8, 9], 3) == _SmallSegments(
-        [6, 7, 8], None, [1, 2], [(1, 2, 2), (2, 0, 1)], False, True
-    )
-    # Everything else is the general path's: big writes, other types, bad input.
-    declined: list[tuple[object, Any]] = [
-        (list(range(limit + 1)), None),
-        ((1, 2), None),
-        ([1, True], None),
-        ([np.int64(1)], None),
-        ([1.0], None),
-        ([], None),
-        ([1, 2], 0),
-        ([1, 2], 3),
-        ([1, 2], True),
-        ([512], None),
-        ([-1], None),
-        ([3, 3], None),
-        ([3, 1, 3], None),
-        (np.array([1.0]), None),
-        (np.array([[1]]), None),
-        (torch.tensor([1], dtype=torch.float32), None),
-        (torch.tensor([[1]]), None),
-        (torch.tensor([True]), None),
-    ]
-    for mapping, num_tokens in declined:
-        assert store._small_segments(mapping, num_tokens) is None, (mapping, num_tokens)
+    assert [store.filled_of("h", b) for b in (0, 5, 10)] == [-1, 4, 1]
+    assert torch.equal(store.cached_rows("h")[23], rows[1].cpu())
 
 
 # -- equivalence on random programs --------------------------------------------
@@ -413,7 +369,7 @@ def assert_merged_rows(
     assert list(merged.misses) == expected_misses(store, requests, names)
     missed = {m.req_id for m in merged.misses}
     per_req = merged.tensors["h"]
-    flat = store._entries["h"].flat.cpu()
+    flat = store.cached_rows("h")
     bs = store.block_size
     start = 0
     for request in requests:

@@ -14,9 +14,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-import numpy as np
 import pytest
 import torch
+from helpers import DeviceConfig, block_slots, cpu, key
+from store_helpers import assert_same, snapshot
 
 from omnicache.block_hash import BlockHash
 from omnicache.store import (
@@ -29,6 +30,7 @@ from omnicache.store import (
     TierBlock,
     WriteResult,
 )
+from omnicache.store.writes import Writer
 from omnicache.tiers import codec
 from omnicache.tiers.base import TierStats, value_key
 from omnicache.tiers.memory import MemoryTier
@@ -38,23 +40,6 @@ from omnicache.tiers.memory import MemoryTier
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable:UserWarning")
 
 
-class Config(NamedTuple):
-    name: str
-    store_device: str
-    source_device: str
-
-
-CONFIGS = [Config("cpu", "cpu", "cpu")]
-if torch.cuda.is_available():
-    CONFIGS += [Config("cuda", "cuda", "cuda"), Config("pinned-from-cuda", "cpu", "cuda")]
-
-
-@pytest.fixture(params=CONFIGS, ids=[c.name for c in CONFIGS])
-def cfg(request: pytest.FixtureRequest) -> Config:
-    config: Config = request.param
-    return config
-
-
 BS = 4
 HIDDEN = 8
 CODES = "codes"
@@ -62,12 +47,8 @@ CODES_SHAPE = (2, 3)
 NAMES = (HIDDEN_STATES, CODES)
 
 
-def key(i: int) -> BlockHash:
-    return BlockHash(bytes([i]) * 32)
-
-
 def make(
-    cfg: Config,
+    cfg: DeviceConfig,
     tier: Any = None,
     num_blocks: int = 8,
     *,
@@ -86,55 +67,29 @@ def make(
     return store
 
 
-def hidden(cfg: Config, n: int, seed: int = 0) -> torch.Tensor:
+def hidden(cfg: DeviceConfig, n: int, seed: int = 0) -> torch.Tensor:
     """Distinct bf16 rows (small integers and halves are exact in bf16)."""
     base = torch.arange(n * HIDDEN, dtype=torch.float32).view(n, HIDDEN) % 64
     base = base / 2 + seed * 64
     return base.to(torch.bfloat16).to(cfg.source_device)
 
 
-def codes(cfg: Config, n: int, seed: int = 0) -> torch.Tensor:
+def codes(cfg: DeviceConfig, n: int, seed: int = 0) -> torch.Tensor:
     base = torch.arange(n * 6, dtype=torch.int32).view(n, *CODES_SHAPE)
     return (base + seed * 100_000).to(cfg.source_device)
 
 
 def slots(block_ids: Sequence[int], num_tokens: int | None = None) -> list[int]:
-    out = [b * BS + o for b in block_ids for o in range(BS)]
+    out = block_slots(block_ids, BS)
     return out if num_tokens is None else out[:num_tokens]
-
-
-def cpu(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu")
 
 
 def stamps(store: TensorStore, block_ids: Sequence[int]) -> dict[str, list[BlockHash | None]]:
     return {name: [store.stamp_of(name, b) for b in block_ids] for name in store.entries}
 
 
-def snapshot(store: TensorStore) -> Any:
-    """Everything a call that must change nothing could change."""
-    store.synchronize()
-    entries = store._entries
-    return (
-        {name: cpu(e.cache).clone() for name, e in entries.items()},
-        {name: list(e.stamps) for name, e in entries.items()},
-        {name: e.filled.tolist() for name, e in entries.items()},
-        store.entries,
-        store.stats,
-    )
-
-
-def assert_same(a: Any, b: Any) -> None:
-    caches_a, *rest_a = a
-    caches_b, *rest_b = b
-    assert caches_a.keys() == caches_b.keys()
-    for name in caches_a:
-        assert torch.equal(caches_a[name], caches_b[name]), name
-    assert rest_a == rest_b
-
-
 def filled(store: TensorStore, name: str, block_ids: Sequence[int]) -> list[int]:
-    return [int(store._entries[name].filled[b]) for b in block_ids]
+    return [store.filled_of(name, b) for b in block_ids]
 
 
 def values_of(tier: MemoryTier, keys: Sequence[BlockHash], names: Sequence[str]) -> set[str]:
@@ -160,15 +115,15 @@ class RecordingTier(MemoryTier):
 
 @pytest.fixture
 def small_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
-    """Names of the entries each `_apply_small` call wrote (the small-write path)."""
+    """Names of the entries each `Writer.apply_small` call wrote (the small-write path)."""
     calls: list[str] = []
-    original = TensorStore._apply_small
+    original = Writer.apply_small
 
-    def spy(self: TensorStore, entry: Any, *args: Any) -> WriteResult:
+    def spy(self: Writer, entry: Any, *args: Any) -> WriteResult:
         calls.append(entry.spec.name)
         return original(self, entry, *args)
 
-    monkeypatch.setattr(TensorStore, "_apply_small", spy)
+    monkeypatch.setattr(Writer, "apply_small", spy)
     yield calls
 
 
@@ -220,7 +175,7 @@ WRITE_CASES = [
 
 @pytest.mark.parametrize("case", WRITE_CASES, ids=[c.name for c in WRITE_CASES])
 def test_a_write_offers_exactly_the_blocks_it_stamps(
-    cfg: Config, case: WriteCase, small_calls: list[str]
+    cfg: DeviceConfig, case: WriteCase, small_calls: list[str]
 ) -> None:
     tier = RecordingTier()
     store = make(cfg, tier, case.num_blocks)
@@ -268,7 +223,7 @@ def test_a_write_offers_exactly_the_blocks_it_stamps(
 
 
 def test_writes_without_keys_or_blocks_left_incomplete_offer_nothing(
-    cfg: Config, small_calls: list[str]
+    cfg: DeviceConfig, small_calls: list[str]
 ) -> None:
     tier = MemoryTier()
     store = make(cfg, tier)
@@ -293,7 +248,7 @@ def test_writes_without_keys_or_blocks_left_incomplete_offer_nothing(
 
 
 def test_decode_steps_offer_each_block_once_when_its_last_row_lands(
-    cfg: Config, small_calls: list[str]
+    cfg: DeviceConfig, small_calls: list[str]
 ) -> None:
     tier = MemoryTier()
     store = make(cfg, tier)
@@ -361,7 +316,11 @@ def test_decode_steps_offer_each_block_once_when_its_last_row_lands(
     ids=["small", "general"],
 )
 def test_a_write_that_revisits_a_block_offers_it_once(
-    cfg: Config, num_blocks: int, block_ids: list[int], small_path: bool, small_calls: list[str]
+    cfg: DeviceConfig,
+    num_blocks: int,
+    block_ids: list[int],
+    small_path: bool,
+    small_calls: list[str],
 ) -> None:
     tier = RecordingTier()
     store = make(cfg, tier, num_blocks)
@@ -385,7 +344,7 @@ def test_a_write_that_revisits_a_block_offers_it_once(
         assert torch.equal(got, torch.stack(rows))
 
 
-def test_rewriting_a_stamped_block_offers_it_again(cfg: Config) -> None:
+def test_rewriting_a_stamped_block_offers_it_again(cfg: DeviceConfig) -> None:
     tier = MemoryTier()
     store = make(cfg, tier)
     for n in (1, 2):
@@ -395,7 +354,7 @@ def test_rewriting_a_stamped_block_offers_it_again(cfg: Config) -> None:
         assert len(tier.values) == 2
 
 
-def test_commit_offers_the_blocks_it_stamps(cfg: Config) -> None:
+def test_commit_offers_the_blocks_it_stamps(cfg: DeviceConfig) -> None:
     tier = RecordingTier()
     store = make(cfg, tier, deferred_codes=True)
     hs = hidden(cfg, 10)
@@ -447,7 +406,7 @@ def test_commit_offers_the_blocks_it_stamps(cfg: Config) -> None:
     assert torch.equal(cpu(reader.read_blocks(CODES, [0, 1], keys)), cpu(cs[:8]))
 
 
-def test_commit_without_keys_offers_nothing(cfg: Config) -> None:
+def test_commit_without_keys_offers_nothing(cfg: DeviceConfig) -> None:
     tier = MemoryTier()
     store = make(cfg, tier, deferred_codes=True)
     store.stage("r", CODES, codes(cfg, 8), token_start=0)
@@ -470,7 +429,7 @@ class Written(NamedTuple):
     codes: torch.Tensor
 
 
-def write_three_blocks(cfg: Config, tier: MemoryTier | None = None) -> Written:
+def write_three_blocks(cfg: DeviceConfig, tier: MemoryTier | None = None) -> Written:
     """Engine 1 computes 3 whole blocks of both entries and offers them to the tier."""
     tier = MemoryTier() if tier is None else tier
     writer = make(cfg, tier)
@@ -486,7 +445,7 @@ def write_three_blocks(cfg: Config, tier: MemoryTier | None = None) -> Written:
     return Written(tier, cpu(hs), cpu(cs))
 
 
-def prestamp(cfg: Config, store: TensorStore, block_ids: Sequence[int]) -> None:
+def prestamp(cfg: DeviceConfig, store: TensorStore, block_ids: Sequence[int]) -> None:
     """Stamps ``block_ids`` of both entries with keys the tests never look up."""
     n = len(block_ids) * BS
     store.write_outputs(
@@ -500,7 +459,7 @@ def prestamp(cfg: Config, store: TensorStore, block_ids: Sequence[int]) -> None:
     }
 
 
-def test_read_through_fills_and_stamps_blocks_as_if_computed(cfg: Config) -> None:
+def test_read_through_fills_and_stamps_blocks_as_if_computed(cfg: DeviceConfig) -> None:
     written = write_three_blocks(cfg)
     tier = written.tier
     reader = make(cfg, tier, num_blocks=6)
@@ -541,7 +500,7 @@ def test_read_through_fills_and_stamps_blocks_as_if_computed(cfg: Config) -> Non
 
 
 @pytest.mark.parametrize("lacks", ["every entry", "one entry", "a damaged value"])
-def test_read_through_fills_the_leading_run_only(cfg: Config, lacks: str) -> None:
+def test_read_through_fills_the_leading_run_only(cfg: DeviceConfig, lacks: str) -> None:
     written = write_three_blocks(cfg)
     tier = written.tier
     k1_codes = value_key(tier.prefix, tier.namespace, KEYS[1], CODES)
@@ -583,11 +542,11 @@ def test_read_through_fills_the_leading_run_only(cfg: Config, lacks: str) -> Non
     )
 
 
-def test_read_through_clears_the_given_blocks_when_the_tier_misses(cfg: Config) -> None:
+def test_read_through_clears_the_given_blocks_when_the_tier_misses(cfg: DeviceConfig) -> None:
     written = write_three_blocks(cfg)
     reader = make(cfg, written.tier, num_blocks=6)
     prestamp(cfg, reader, READER_BLOCKS)
-    caches = {name: cpu(e.cache).clone() for name, e in reader._entries.items()}
+    caches = snapshot(reader).rows
     unknown = [key(50), key(51), key(52)]
 
     assert reader.read_through(READER_BLOCKS, unknown) == 0
@@ -596,7 +555,7 @@ def test_read_through_clears_the_given_blocks_when_the_tier_misses(cfg: Config) 
     for name in NAMES:
         assert filled(reader, name, READER_BLOCKS) == [0, 0, 0]
         # The rows stay; only their stamps and fill counts go.
-        assert torch.equal(cpu(reader._entries[name].cache), caches[name])
+        assert snapshot(reader).rows[name] == caches[name]
     stats = reader.stats
     assert (stats.num_tier_hit_blocks, stats.num_tier_queried_blocks) == (0, 3)
     # Other blocks keep their stamps.
@@ -606,14 +565,14 @@ def test_read_through_clears_the_given_blocks_when_the_tier_misses(cfg: Config) 
     assert stamps(other, [1, 2]) == {name: [key(200), key(201)] for name in NAMES}
 
 
-def test_read_through_fills_only_the_named_entries(cfg: Config) -> None:
+def test_read_through_fills_only_the_named_entries(cfg: DeviceConfig) -> None:
     written = write_three_blocks(cfg)
     tier = written.tier
     # The tier holds only the codes of key 2: it still serves a codes-only read.
     del tier.values[value_key(tier.prefix, tier.namespace, KEYS[2], HIDDEN_STATES)]
     reader = make(cfg, tier, num_blocks=6)
     prestamp(cfg, reader, READER_BLOCKS)
-    hidden_cache = cpu(reader._entries[HIDDEN_STATES].cache).clone()
+    hidden_cache = reader.cached_rows(HIDDEN_STATES)
 
     assert reader.read_through(READER_BLOCKS, KEYS, names=[CODES]) == 3
 
@@ -621,7 +580,7 @@ def test_read_through_fills_only_the_named_entries(cfg: Config) -> None:
     assert filled(reader, CODES, READER_BLOCKS) == [BS] * 3
     assert filled(reader, HIDDEN_STATES, READER_BLOCKS) == [0, 0, 0]
     assert torch.equal(cpu(reader.read_blocks(CODES, READER_BLOCKS, KEYS)), written.codes)
-    assert torch.equal(cpu(reader._entries[HIDDEN_STATES].cache), hidden_cache)
+    assert torch.equal(reader.cached_rows(HIDDEN_STATES), hidden_cache)
     with pytest.raises(StaleBlockError):
         reader.read_blocks(HIDDEN_STATES, READER_BLOCKS, KEYS)
     assert reader.probe(READER_BLOCKS, KEYS) == 0
@@ -632,7 +591,7 @@ def test_read_through_fills_only_the_named_entries(cfg: Config) -> None:
     assert stamps(again, READER_BLOCKS) == {name: [KEYS[0], KEYS[1], None] for name in NAMES}
 
 
-def test_read_through_asks_the_tier_for_the_named_entries_only(cfg: Config) -> None:
+def test_read_through_asks_the_tier_for_the_named_entries_only(cfg: DeviceConfig) -> None:
     asked: list[tuple[list[bytes], list[EntrySpec], int]] = []
 
     class Asking(MemoryTier):
@@ -653,7 +612,7 @@ def test_read_through_asks_the_tier_for_the_named_entries_only(cfg: Config) -> N
     ]
 
 
-def test_read_through_without_a_tier_changes_nothing(cfg: Config) -> None:
+def test_read_through_without_a_tier_changes_nothing(cfg: DeviceConfig) -> None:
     store = make(cfg)
     prestamp(cfg, store, READER_BLOCKS)
     before = snapshot(store)
@@ -662,7 +621,7 @@ def test_read_through_without_a_tier_changes_nothing(cfg: Config) -> None:
     assert_same(before, snapshot(store))
 
 
-def test_read_through_of_nothing_asks_nothing(cfg: Config) -> None:
+def test_read_through_of_nothing_asks_nothing(cfg: DeviceConfig) -> None:
     written = write_three_blocks(cfg)
     reader = make(cfg, written.tier, num_blocks=6)
     prestamp(cfg, reader, READER_BLOCKS)
@@ -740,7 +699,7 @@ BAD_INPUTS: list[tuple[str, Callable[[TensorStore], int], type[Exception], str]]
     ids=[what for what, *_ in BAD_INPUTS],
 )
 def test_read_through_rejects_bad_input_and_changes_nothing(
-    cfg: Config,
+    cfg: DeviceConfig,
     with_tier: bool,
     call: Callable[[TensorStore], int],
     error: type[Exception],
@@ -858,7 +817,7 @@ def assert_warned(caplog: pytest.LogCaptureFixture, message: str) -> None:
 
 
 def test_a_tier_whose_get_raises_is_a_counted_logged_miss(
-    cfg: Config, caplog: pytest.LogCaptureFixture
+    cfg: DeviceConfig, caplog: pytest.LogCaptureFixture
 ) -> None:
     tier = RaisingGet()
     write_three_blocks(cfg, tier)
@@ -881,7 +840,7 @@ def test_a_tier_whose_get_raises_is_a_counted_logged_miss(
     ids=[what for what, *_ in BROKEN_ANSWERS],
 )
 def test_a_tier_that_answers_rows_of_the_wrong_shape_or_dtype_is_a_counted_logged_miss(
-    cfg: Config, caplog: pytest.LogCaptureFixture, answer: Any, message: str
+    cfg: DeviceConfig, caplog: pytest.LogCaptureFixture, answer: Any, message: str
 ) -> None:
     written = write_three_blocks(cfg)
     tier = Answering(answer, written.tier)
@@ -893,14 +852,107 @@ def test_a_tier_that_answers_rows_of_the_wrong_shape_or_dtype_is_a_counted_logge
     assert_warned(
         caplog, f"tier Answering failed a read, served as a miss: {ValueError(message)!r}"
     )
-    assert reader.stats == replace(before[-1], num_tier_queried_blocks=3, num_tier_errors=1)
+    assert reader.stats == replace(before.stats, num_tier_queried_blocks=3, num_tier_errors=1)
     # Nothing of the answer is kept, not even its good leading blocks.
-    caches, _, _, entries, _ = before
     after = snapshot(reader)
     for name in NAMES:
-        assert torch.equal(after[0][name], caches[name])
-    assert after[3] == entries
+        assert after.rows[name] == before.rows[name]
+    assert after.entries == before.entries
     assert stamps(reader, READER_BLOCKS) == {name: [None, None, None] for name in NAMES}
+
+
+def store_device_name(cfg: DeviceConfig) -> str:
+    """The devices a store of ``cfg`` takes a tier's rows from, as its messages name them."""
+    if cfg.store_device == "cpu":
+        return "cpu"
+    return f"cpu or {torch.device('cuda', torch.cuda.current_device())}"
+
+
+# Rows a tier may hand back that the store cannot take: (what, answer, message
+# given the devices the store takes rows from).
+UNTAKEABLE_ANSWERS: list[tuple[str, Any, Callable[[str], str]]] = [
+    (
+        "rows on another device",
+        with_rows(0, HIDDEN_STATES, lambda r: torch.empty(r.shape, dtype=r.dtype, device="meta")),
+        lambda devices: (
+            f"tier: block 0, entry 'hidden_states': expected rows on {devices}, found meta"
+        ),
+    ),
+    (
+        "rows that require grad",
+        with_rows(1, HIDDEN_STATES, lambda r: r.clone().requires_grad_()),
+        lambda devices: (
+            "tier: block 1, entry 'hidden_states': expected rows that do not require grad, "
+            "found requires_grad=True"
+        ),
+    ),
+    (
+        "sparse rows",
+        with_rows(2, CODES, lambda r: r.to_sparse()),
+        lambda devices: "tier: block 2, entry 'codes': expected dense rows, found torch.sparse_coo",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [(answer, message) for _, answer, message in UNTAKEABLE_ANSWERS],
+    ids=[what for what, *_ in UNTAKEABLE_ANSWERS],
+)
+def test_a_tier_that_answers_rows_the_store_cannot_take_is_a_counted_logged_miss(
+    cfg: DeviceConfig,
+    caplog: pytest.LogCaptureFixture,
+    answer: Any,
+    message: Callable[[str], str],
+) -> None:
+    written = write_three_blocks(cfg)
+    tier = Answering(answer, written.tier)
+    reader = make(cfg, tier, num_blocks=6)
+    prestamp(cfg, reader, READER_BLOCKS)
+    # Blocks 1 and 2 hold rows computed here.
+    local = [1, 2]
+    local_keys = [key(300), key(301)]
+    local_h = hidden(cfg, 2 * BS, seed=9)
+    local_c = codes(cfg, 2 * BS, seed=9)
+    reader.write_outputs(
+        slots(local),
+        hidden_states=local_h,
+        multimodal_outputs={CODES: local_c},
+        block_keys=dict(zip(local, local_keys, strict=True)),
+    )
+    before = snapshot(reader)
+    with caplog.at_level(logging.WARNING, logger="omnicache.store"):
+        assert reader.read_through(READER_BLOCKS, KEYS) == 0
+    error = ValueError(message(store_device_name(cfg)))
+    assert_warned(caplog, f"tier Answering failed a read, served as a miss: {error!r}")
+    after = snapshot(reader)
+    assert after.stats == replace(before.stats, num_tier_queried_blocks=3, num_tier_errors=1)
+    # Nothing of the answer is kept, not even its good leading blocks; the
+    # given blocks are cleared as on any miss, and no other block changes.
+    assert after.rows == before.rows
+    assert stamps(reader, READER_BLOCKS) == {name: [None, None, None] for name in NAMES}
+    for name in NAMES:
+        assert filled(reader, name, READER_BLOCKS) == [0, 0, 0]
+    assert stamps(reader, local) == {name: local_keys for name in NAMES}
+    # Reads of the blocks computed here still work, the cache untouched by autograd.
+    got_h = reader.read_blocks(HIDDEN_STATES, local, local_keys)
+    assert not got_h.requires_grad
+    assert torch.equal(cpu(got_h), cpu(local_h))
+    assert torch.equal(cpu(reader.read_blocks(CODES, local, local_keys)), cpu(local_c))
+    new_h = hidden(cfg, 1, seed=10)
+    new_c = codes(cfg, 1, seed=10)
+    merged = reader.read_merged(
+        [ScheduledRequest("r", 1, 2 * BS, local, local_keys)],
+        hidden_states=new_h,
+        multimodal_outputs={CODES: new_c},
+    )
+    assert merged.misses == ()
+    assert torch.equal(cpu(merged.hidden_states["r"]), torch.cat([cpu(local_h), cpu(new_h)]))
+    assert torch.equal(cpu(merged.tensors[CODES]["r"]), torch.cat([cpu(local_c), cpu(new_c)]))
+    # A tier that answers well again fills the blocks.
+    reader.tier = written.tier
+    assert reader.read_through(READER_BLOCKS, KEYS) == 3
+    assert torch.equal(cpu(reader.read_blocks(HIDDEN_STATES, READER_BLOCKS, KEYS)), written.hidden)
 
 
 @pytest.mark.parametrize(
@@ -909,7 +961,7 @@ def test_a_tier_that_answers_rows_of_the_wrong_shape_or_dtype_is_a_counted_logge
     ids=["small", "general"],
 )
 def test_a_tier_whose_put_raises_loses_only_its_copy(
-    cfg: Config,
+    cfg: DeviceConfig,
     caplog: pytest.LogCaptureFixture,
     small_calls: list[str],
     num_blocks: int,
@@ -943,7 +995,7 @@ def test_a_tier_whose_put_raises_loses_only_its_copy(
 # -- end to end ----------------------------------------------------------------
 
 
-def test_two_engines_share_blocks_through_the_tier(cfg: Config) -> None:
+def test_two_engines_share_blocks_through_the_tier(cfg: DeviceConfig) -> None:
     """Engine 1 computes a prompt; engine 2 fills its blocks from the tier and reads them."""
     tier = MemoryTier(namespace="model-a")
     dim = 64
@@ -1001,11 +1053,11 @@ def test_two_engines_share_blocks_through_the_tier(cfg: Config) -> None:
         num_get_blocks=2,
         num_hit_blocks=2,
     )
-    assert np.array_equal(engine2._entries[HIDDEN_STATES].filled[[9, 12]], [BS, BS])
+    assert [engine2.filled_of(HIDDEN_STATES, b) for b in (9, 12)] == [BS, BS]
 
 
 def test_a_tier_whose_put_raises_fails_each_entry_of_a_step_alone(
-    cfg: Config, caplog: pytest.LogCaptureFixture
+    cfg: DeviceConfig, caplog: pytest.LogCaptureFixture
 ) -> None:
     tier = RaisingPut()
     store = make(cfg, tier)

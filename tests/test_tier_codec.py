@@ -15,6 +15,7 @@ import blake3
 import pytest
 import torch
 import xxhash
+from helpers import DEVICES
 
 from omnicache.tiers import base, codec
 from omnicache.tiers.codec import Rejection
@@ -24,7 +25,6 @@ from omnicache.tiers.memory import MemoryTier
 # about that once per process. The rows are only read here.
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable:UserWarning")
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 KEY = b"\x01" * 32
 NAME = "hidden_states"

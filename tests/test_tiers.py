@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import key
 from redis_server import RedisServer
 
-from omnicache.block_hash import BlockHash
 from omnicache.store import EntrySpec, TierBlock
 from omnicache.tiers import codec
 from omnicache.tiers.base import TierStats, value_key
@@ -34,10 +34,6 @@ def spec(name: str, row_shape: tuple[int, ...], dtype: torch.dtype) -> EntrySpec
 HIDDEN = spec("hidden_states", (8,), torch.bfloat16)
 CODES = spec("codes", (2, 3), torch.int32)
 ENTRIES = [HIDDEN, CODES]
-
-
-def key(i: int) -> BlockHash:
-    return BlockHash(bytes([i]) * 32)
 
 
 def rows_for(entry: EntrySpec, i: int) -> torch.Tensor:
