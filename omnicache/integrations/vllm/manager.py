@@ -43,7 +43,7 @@ import torch
 from omnicache.block_hash import BlockHash
 from omnicache.checks import check_bool, check_int, check_str, type_name
 from omnicache.integrations.vllm.common import require_vllm
-from omnicache.store import HIDDEN_STATES, MergedRead, ScheduledRequest, TensorStore, WriteResult
+from omnicache.store import MergedRead, ScheduledRequest, TensorStore, WriteResult
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -505,7 +505,7 @@ class OmniKVCacheManager:
             step: the step's requests in batch order, their hit fields empty.
             hidden_states: ``(>= total new tokens, hidden)`` rows.
             multimodal_outputs: per-token outputs by name (see
-                `TensorStore.write_outputs` for what is cached).
+                `TensorStore.write_step` for what is cached).
             num_tokens_padded: rows the model produced, padding included.
 
         Returns:
@@ -516,21 +516,14 @@ class OmniKVCacheManager:
                 a hit is a ValueError); nothing is written or staged.
         """
         slot_mapping, block_keys, scheduled = self._plan(step, with_hits=False)
-        self._check_deferred(
-            sum(s.num_new_tokens for s in scheduled), hidden_states, multimodal_outputs
-        )
-        results = self._store.write_outputs(
+        return self._store.write_step(
+            scheduled,
             slot_mapping,
             hidden_states=hidden_states,
             multimodal_outputs=multimodal_outputs,
             block_keys=block_keys,
             num_tokens_padded=num_tokens_padded,
         )
-        if any(spec.deferred for spec in self._store.entries.values()):
-            self._store.stage_outputs(
-                scheduled, hidden_states=hidden_states, multimodal_outputs=multimodal_outputs
-            )
-        return results
 
     def read_merged(
         self,
@@ -600,32 +593,3 @@ class OmniKVCacheManager:
                 scheduled.append(item)
         slots = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         return slots, block_keys, scheduled
-
-    def _check_deferred(
-        self,
-        num_rows: int,
-        hidden_states: torch.Tensor | None,
-        multimodal_outputs: Mapping[str, object] | None,
-    ) -> None:
-        """Validates the deferred entries' rows before anything is written."""
-        specs = self._store.entries
-        outputs: dict[str, object] = dict(multimodal_outputs or {})
-        if hidden_states is not None:
-            outputs[HIDDEN_STATES] = hidden_states
-        for name, value in outputs.items():
-            spec = specs.get(name)
-            if spec is None or not spec.deferred:
-                continue
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(
-                    f"outputs[{name!r}]: expected torch.Tensor, found {type_name(value)}"
-                )
-            if tuple(value.shape[1:]) != spec.row_shape or value.dtype != spec.dtype:
-                raise ValueError(
-                    f"outputs[{name!r}]: expected rows of shape (n, {spec.row_shape}) and "
-                    f"dtype {spec.dtype}, found {tuple(value.shape)} {value.dtype}"
-                )
-            if value.shape[0] < num_rows:
-                raise ValueError(
-                    f"outputs[{name!r}]: expected at least {num_rows} rows, found {value.shape[0]}"
-                )
