@@ -27,8 +27,8 @@ then run it there with ``.whl`` carried:
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \\
       && PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 python3 benchmarks/gpu_store_check.py --pytest
 
-``--pytest`` first runs tests/test_store.py (parametrized over the CUDA
-configurations there) and the reuse simulation.
+``--pytest`` first runs tests/test_store*.py (parametrized over the CUDA
+configurations there, the reuse simulation among them) and the tier codec's tests.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -53,6 +54,8 @@ from omnicache.store import (
     StaleBlockError,
     TensorStore,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Config(NamedTuple):
@@ -324,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
             "-m",
             "pytest",
             "-q",
-            "tests/test_store.py",
-            "tests/test_store_reuse_sim.py",
+            *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_store*.py")),
+            "tests/test_tier_codec.py",
         ]
         print("$", " ".join(cmd), flush=True)
         rc = subprocess.call(cmd)
