@@ -24,6 +24,7 @@ __all__ = [
     "type_name",
 ]
 
+
 def type_name(value: object) -> str:
     """The name a message gives the type of ``value``."""
     return type(value).__name__
