@@ -8,7 +8,9 @@ venv=${1:-.venv-vllm}
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
-pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+# vLLM goes in without its declared requirements (below), so pip would list
+# each of them as a conflict after every install: --no-warn-conflicts.
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check --no-warn-conflicts)
 "${pip[@]}" -c constraints.txt torch
 "${pip[@]}" --no-deps vllm==0.33.0
 # vLLM's own requirements would pull a CUDA build of torch; these are the

