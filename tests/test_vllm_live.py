@@ -157,13 +157,13 @@ def run_one(llm: Any, prompt: dict[str, Any]) -> Any:
 
 
 def full_block_keys(
-    model: Path,
+    namespace: Path | str,
     token_ids: list[int],
     annotations: list[TokenRangeAnnotation] = (),  # type: ignore[assignment]
     cache_salt: str | None = None,
 ) -> list[BlockHash]:
-    """omnicache's keys of the full blocks of ``token_ids``: what the engine must use."""
-    hasher = BlockHasher(BLOCK_SIZE, namespace=str(model), cache_salt=cache_salt)
+    """omnicache's keys of the full blocks of ``token_ids`` (namespace: the model by default)."""
+    hasher = BlockHasher(BLOCK_SIZE, namespace=str(namespace), cache_salt=cache_salt)
     return hasher.hash_blocks(AnnotatedTokens(token_ids, list(annotations)))
 
 
@@ -234,8 +234,10 @@ def test_multiprocess_engine_keys_blocks_with_omnicache_keys(
 ) -> None:
     from vllm.config import KVEventsConfig
 
-    # vLLM's default: the engine core runs in a process of its own.
+    # vLLM's default: the engine core runs in a process of its own, which
+    # inherits the options set here.
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.setenv("OMNICACHE_NAMESPACE", "tiny-qwen2")
     port = free_port()
     listener = EventListener(f"tcp://127.0.0.1:{port}")
     llm = LLM(
@@ -254,7 +256,7 @@ def test_multiprocess_engine_keys_blocks_with_omnicache_keys(
         expected = {
             block_hash_low64(key)
             for output in outputs
-            for key in full_block_keys(models["text"], computed_tokens(output))
+            for key in full_block_keys("tiny-qwen2", computed_tokens(output))
         }
         listener.wait_for(expected, timeout=10.0)
     finally:
@@ -425,3 +427,15 @@ def test_images_hit_as_prefix_caching_does_with_omnicache_digests(
 
     expected = keys(a_first, 1) | keys(b_first, 2) | keys(a_salted, 1, "tenant-b")
     assert cached_keys(vl_llm) == expected
+
+
+def test_options_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from omnicache.integrations.vllm.plugin import algorithm_from_env
+
+    monkeypatch.delenv("OMNICACHE_BLOCK_ALGORITHM", raising=False)
+    assert algorithm_from_env() == "sha256"
+    monkeypatch.setenv("OMNICACHE_BLOCK_ALGORITHM", "xxh3_128")
+    assert algorithm_from_env() == "xxh3_128"
+    monkeypatch.setenv("OMNICACHE_BLOCK_ALGORITHM", "md5")
+    with pytest.raises(ValueError, match=r"OMNICACHE_BLOCK_ALGORITHM: expected one of .*'md5'"):
+        algorithm_from_env()
