@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import gc
 import importlib.metadata
+import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -357,7 +360,9 @@ def picture(seed: int) -> Image.Image:
     return Image.fromarray(pixels, "RGB")
 
 
-def image_prompt(image: Image.Image, cache_salt: str | None = None) -> dict[str, Any]:
+def image_prompt(
+    image: Image.Image, cache_salt: str | None = None, *, with_uuids: bool = True
+) -> dict[str, Any]:
     mm_data = {"image": image}
     prompt: dict[str, Any] = {
         "prompt": (
@@ -365,8 +370,9 @@ def image_prompt(image: Image.Image, cache_salt: str | None = None) -> dict[str,
             "Which colour is it?<|im_end|>\n<|im_start|>assistant\n"
         ),
         "multi_modal_data": mm_data,
-        "multi_modal_uuids": multi_modal_uuids(mm_data),
     }
+    if with_uuids:
+        prompt["multi_modal_uuids"] = multi_modal_uuids(mm_data)
     if cache_salt is not None:
         prompt["cache_salt"] = cache_salt
     return prompt
@@ -429,6 +435,58 @@ def test_images_hit_as_prefix_caching_does_with_omnicache_digests(
     assert cached_keys(vl_llm) == expected
 
 
+# Run in a fresh process: vLLM loads its general plugins once per process.
+FRONTEND_CHILD = """
+import json, sys
+import test_vllm_live as t
+from pathlib import Path
+from vllm import LLM
+model = Path(sys.argv[1])
+llm = LLM(**t.engine_args(model, scheduler_cls=t.SCHEDULER, limit_mm_per_prompt={"image": 1}))
+outputs = [t.run_one(llm, t.image_prompt(t.picture(1), with_uuids=False)) for _ in range(2)]
+print(json.dumps({
+    "hits": [output.num_cached_tokens for output in outputs],
+    "num_prompt": len(outputs[0].prompt_token_ids),
+    "span": t.image_span(llm, outputs[0]),
+    "computed": t.computed_tokens(outputs[0]),
+    "keys": sorted(key.hex() for key in t.cached_keys(llm)),
+}))
+t.shut(llm)
+"""
+
+
+def test_frontend_plugin_fills_in_omnicache_digests(models: dict[str, Path]) -> None:
+    (entry_point,) = [
+        entry
+        for entry in importlib.metadata.entry_points(group="vllm.general_plugins")
+        if entry.name == "omnicache"
+    ]
+    assert entry_point.value == "omnicache.integrations.vllm.frontend:register"
+    env = {
+        **os.environ,
+        "OMNICACHE_MM_UUIDS": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path]),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", FRONTEND_CHILD, str(models["vl"])],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    offset, length = found["span"]
+    full = (found["num_prompt"] - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert found["hits"] == [0, full]
+    # The image's digest was computed in the child's front end, from the image itself.
+    annotation = TokenRangeAnnotation(offset, length, hash_image(picture(1)), 0, length)
+    expected = full_block_keys(models["vl"], found["computed"], [annotation])
+    assert found["keys"] == sorted(key.hex() for key in expected)
+
+
 def test_options_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     from omnicache.integrations.vllm.plugin import algorithm_from_env
 
@@ -439,3 +497,8 @@ def test_options_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("OMNICACHE_BLOCK_ALGORITHM", "md5")
     with pytest.raises(ValueError, match=r"OMNICACHE_BLOCK_ALGORITHM: expected one of .*'md5'"):
         algorithm_from_env()
+    from omnicache.integrations.vllm.frontend import register
+
+    monkeypatch.setenv("OMNICACHE_MM_UUIDS", "yes")
+    with pytest.raises(ValueError, match=r"OMNICACHE_MM_UUIDS: expected '1' or '0', found 'yes'"):
+        register()

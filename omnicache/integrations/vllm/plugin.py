@@ -20,8 +20,10 @@ patched:
 Multimodal items enter the keys through ``mm_features[i].identifier``: pass
 ``multi_modal_uuids=omnicache.integrations.vllm.multi_modal_uuids(mm_data)``
 in the prompt so that these are omnicache's content digests (computed in the
-caller's process, from the items themselves); otherwise they are vLLM's own
-content hashes, which the hasher takes as digests too.
+caller's process, from the items themselves), or set ``OMNICACHE_MM_UUIDS=1``
+to have vLLM's front end fill them in (`omnicache.integrations.vllm.frontend`);
+otherwise they are vLLM's own content hashes, which the hasher takes as
+digests too.
 
 Options, read from the environment of the engine core's process when the
 scheduler is built (a spawned engine core inherits the caller's):
