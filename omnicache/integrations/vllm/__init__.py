@@ -1,4 +1,4 @@
-"""omnicache inside vLLM 0.33: its block keys and its TensorStore, in step with vLLM's blocks.
+"""omnicache inside vLLM 0.32/0.33: its block keys and TensorStore, in step with vLLM's blocks.
 
 This package is the only code that imports vLLM, and it does so lazily:
 importing it needs no vLLM; the functions that build vLLM objects raise an
@@ -36,6 +36,10 @@ one module each, beside ``common`` (vLLM's version gate, `INSTALL_HINT`):
    stamps the rows written into it, every reuse of a block clears its stamps
    *before* the block is handed out, and a finished request's deferred outputs
    are committed.
+
+In a live engine, ``plugin.OmniScheduler`` (named as vLLM's ``scheduler_cls``;
+not imported here, since it subclasses vLLM's scheduler) puts 1. and 3. in
+place inside the engine core's process.
 
 Limits: one full-attention KV cache group whose block size equals the hash
 block size; no lookahead block hashes (EAGLE's

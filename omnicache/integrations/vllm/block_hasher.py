@@ -18,14 +18,20 @@ from hashing import DEFAULT_ALGORITHM, Algorithm, digest_size, hash_array, hash_
 from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
 from omnicache.block_hash import DEFAULT_BLOCK_ALGORITHM, BlockHash, BlockHasher
 from omnicache.checks import check_bool, check_int, check_str, type_name
-from omnicache.integrations.vllm.common import require_vllm
+from omnicache.integrations.vllm.common import vllm_series
 from omnicache.integrations.vllm.identifiers import UUID_NAMESPACE
 
 if TYPE_CHECKING:
     from vllm.multimodal.inputs import MultiModalFeatureSpec
     from vllm.v1.request import Request
 
-__all__ = ["RequestBlockHasher", "adapter_id", "install_block_hasher", "make_request"]
+__all__ = [
+    "RequestBlockHasher",
+    "adapter_id",
+    "install_block_hasher",
+    "make_request",
+    "scheduler_block_hasher",
+]
 
 # A content digest as `hashing` writes it: 16 (xxh3_128) or 32 bytes, lowercase hex.
 _HEX_DIGEST = re.compile(r"(?:[0-9a-f]{32}){1,2}")
@@ -327,7 +333,7 @@ def install_block_hasher(
             hashes (EAGLE), which omnicache keys do not cover.
         RuntimeError: the scheduler already holds requests keyed otherwise.
     """
-    require_vllm()
+    series = vllm_series()
     from vllm.v1.engine.core import EngineCore
 
     if not isinstance(engine_core, EngineCore):
@@ -336,13 +342,6 @@ def install_block_hasher(
         raise ValueError(
             "engine_core: expected prefix caching enabled (a request_block_hasher), found none"
         )
-    vllm_config = engine_core.vllm_config
-    lookahead = vllm_config.num_hash_lookahead_tokens
-    if lookahead:
-        raise ValueError(
-            f"engine_core: expected num_hash_lookahead_tokens == 0 (omnicache keys cover a "
-            f"block's own tokens only), found {lookahead}"
-        )
     scheduler = engine_core.scheduler
     num_requests = len(getattr(scheduler, "requests", ()))
     if num_requests:
@@ -350,15 +349,50 @@ def install_block_hasher(
             f"engine_core: expected no requests yet, found {num_requests} keyed by the "
             "previous block hasher"
         )
-    hasher = RequestBlockHasher(
+    hasher = scheduler_block_hasher(
+        engine_core.vllm_config,
         scheduler.hash_block_size,
+        series=series,
+        namespace=namespace,
         algorithm=algorithm,
-        namespace=vllm_config.model_config.model if namespace is None else namespace,
         content_algorithm=content_algorithm,
         trust_hex_identifiers=trust_hex_identifiers,
     )
     engine_core.request_block_hasher = hasher
     return hasher
+
+
+def scheduler_block_hasher(
+    vllm_config: Any,
+    hash_block_size: int,
+    /,
+    *,
+    series: str,
+    namespace: str | None = None,
+    algorithm: Algorithm = DEFAULT_BLOCK_ALGORITHM,
+    content_algorithm: Algorithm = DEFAULT_ALGORITHM,
+    trust_hex_identifiers: bool = True,
+) -> RequestBlockHasher:
+    """The `RequestBlockHasher` of an engine of ``vllm_config`` (see `install_block_hasher`).
+
+    Raises:
+        ValueError: the engine uses lookahead block hashes (EAGLE), which
+            omnicache keys do not cover.
+    """
+    # NOTE: vLLM 0.32 has no lookahead block hashes (the setting came in 0.33).
+    lookahead = 0 if series == "0.32." else vllm_config.num_hash_lookahead_tokens
+    if lookahead:
+        raise ValueError(
+            f"engine_core: expected num_hash_lookahead_tokens == 0 (omnicache keys cover a "
+            f"block's own tokens only), found {lookahead}"
+        )
+    return RequestBlockHasher(
+        hash_block_size,
+        algorithm=algorithm,
+        namespace=vllm_config.model_config.model if namespace is None else namespace,
+        content_algorithm=content_algorithm,
+        trust_hex_identifiers=trust_hex_identifiers,
+    )
 
 
 def make_request(
@@ -377,7 +411,7 @@ def make_request(
     Its ``block_hashes`` are computed on creation and extended by
     ``append_output_token_ids``, as inside the engine.
     """
-    require_vllm()
+    vllm_series()
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 

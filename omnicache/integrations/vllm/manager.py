@@ -333,20 +333,24 @@ class OmniKVCacheManager:
 
     # -- the manager's interface -----------------------------------------------------
 
+    # NOTE: the lookups take ``(request)`` in vLLM 0.32 and ``(request,
+    # max_cache_hit_length=None)`` in 0.33: the wrapper passes on exactly what
+    # the scheduler gives, so each version's manager checks its own signature.
+
     def get_computed_blocks(
-        self, request: Request, max_cache_hit_length: int | None = None
+        self, request: Request, *args: Any, **kwargs: Any
     ) -> tuple[KVCacheBlocks, int, int]:
         """vLLM's lookup, capped to the blocks whose outputs are stored (see the class)."""
-        blocks, num_hit, boundary = self._manager.get_computed_blocks(request, max_cache_hit_length)
+        blocks, num_hit, boundary = self._manager.get_computed_blocks(request, *args, **kwargs)
         blocks, num_hit = self._cap_hit(request, blocks, num_hit)
         return blocks, num_hit, boundary
 
     def get_computed_blocks_for_connector(
-        self, request: Request, max_cache_hit_length: int | None = None
+        self, request: Request, *args: Any, **kwargs: Any
     ) -> tuple[KVCacheBlocks, int, int, bool]:
         """As ``get_computed_blocks`` for a scheduler with a KV connector."""
         blocks, num_hit, boundary, diverged = self._manager.get_computed_blocks_for_connector(
-            request, max_cache_hit_length
+            request, *args, **kwargs
         )
         blocks, num_hit = self._cap_hit(request, blocks, num_hit)
         return blocks, num_hit, boundary, diverged

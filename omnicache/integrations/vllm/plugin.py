@@ -1,0 +1,108 @@
+"""omnicache turned on inside a vLLM engine: `OmniScheduler`, a scheduler given by name.
+
+vLLM builds its scheduler from the class named by ``scheduler_cls`` (``LLM(...,
+scheduler_cls="omnicache.integrations.vllm.plugin.OmniScheduler")``, or
+``--scheduler-cls`` on the server), inside the engine core's process: in
+process with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, in the engine core's own
+process by default. That one name is all it takes, and no vLLM module is
+patched:
+
+- every request the scheduler receives is keyed with a `RequestBlockHasher`:
+  its ``block_hashes`` become omnicache keys, and vLLM extends them with the
+  same hasher for every appended token (the engine core keys a new request
+  with vLLM's own hasher first; `OmniScheduler.add_request` replaces those
+  keys before the request is queued or looked up);
+- the KV cache manager is wrapped in an `OmniKVCacheManager` whose
+  `TensorStore` holds no entries: nothing writes model outputs in a live
+  engine yet, so no hit is capped (with an entry registered and no writer,
+  the wrapper would cap every hit to zero).
+
+Multimodal items enter the keys through ``mm_features[i].identifier``: pass
+``multi_modal_uuids=omnicache.integrations.vllm.multi_modal_uuids(mm_data)``
+in the prompt so that these are omnicache's content digests (computed in the
+caller's process, from the items themselves), or set ``OMNICACHE_MM_UUIDS=1``
+to have vLLM's front end fill them in (`omnicache.integrations.vllm.frontend`);
+otherwise they are vLLM's own content hashes, which the hasher takes as
+digests too.
+
+Options, read from the environment of the engine core's process when the
+scheduler is built (a spawned engine core inherits the caller's):
+
+- ``OMNICACHE_BLOCK_ALGORITHM``: the block key algorithm (default "sha256");
+- ``OMNICACHE_NAMESPACE``: the keys' namespace (default: the model's name).
+
+Importing this module needs vLLM 0.32 or 0.33 (see `require_vllm`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from hashing import ALGORITHMS, Algorithm
+from omnicache.block_hash import DEFAULT_BLOCK_ALGORITHM
+from omnicache.integrations.vllm.block_hasher import RequestBlockHasher, scheduler_block_hasher
+from omnicache.integrations.vllm.common import vllm_series
+from omnicache.integrations.vllm.manager import OmniKVCacheManager
+from omnicache.store import TensorStore
+
+_SERIES = vllm_series()  # vLLM imports this module by name: fail here, with the install hint.
+
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+
+__all__ = ["ALGORITHM_ENV", "NAMESPACE_ENV", "OmniScheduler", "algorithm_from_env"]
+
+ALGORITHM_ENV = "OMNICACHE_BLOCK_ALGORITHM"
+NAMESPACE_ENV = "OMNICACHE_NAMESPACE"
+
+
+def algorithm_from_env() -> Algorithm:
+    """The block key algorithm ``OMNICACHE_BLOCK_ALGORITHM`` names (default "sha256")."""
+    value = os.environ.get(ALGORITHM_ENV)
+    if value is None or value == "":
+        return DEFAULT_BLOCK_ALGORITHM
+    for algorithm in ALGORITHMS:
+        if value == algorithm:
+            return algorithm
+    raise ValueError(f"{ALGORITHM_ENV}: expected one of {ALGORITHMS}, found {value!r}")
+
+
+class OmniScheduler(Scheduler):  # type: ignore[misc]
+    """vLLM's scheduler, keying requests with omnicache keys through a wrapped manager.
+
+    Attributes:
+        omni_block_hasher: the `RequestBlockHasher` every request is keyed with.
+        omni_manager: the `OmniKVCacheManager` standing as ``kv_cache_manager``.
+    """
+
+    kv_cache_manager: Any  # vLLM's manager, then the wrapper
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        manager = self.kv_cache_manager
+        if not manager.enable_caching:
+            raise ValueError(
+                "OmniScheduler: expected prefix caching enabled (enable_prefix_caching=True), "
+                "found it off"
+            )
+        namespace = os.environ.get(NAMESPACE_ENV) or None
+        self.omni_block_hasher: RequestBlockHasher = scheduler_block_hasher(
+            self.vllm_config,
+            self.hash_block_size,
+            series=_SERIES,
+            namespace=namespace,
+            algorithm=algorithm_from_env(),
+        )
+        store = TensorStore(manager.block_pool.num_gpu_blocks, self.hash_block_size)
+        self.omni_manager = OmniKVCacheManager(manager, store)
+        self.kv_cache_manager = self.omni_manager
+
+    def add_request(self, request: Any) -> None:
+        """Keys a new request with omnicache keys, then queues it as vLLM does."""
+        if request.request_id not in self.requests:
+            # NOTE: the request keeps its hasher and calls it on every
+            # appended token; it was keyed with vLLM's hasher when created.
+            request._block_hasher = self.omni_block_hasher
+            request.block_hashes.clear()
+            request.update_block_hashes()
+        super().add_request(request)

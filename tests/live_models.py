@@ -1,0 +1,164 @@
+"""Tiny models for a live vLLM engine, built here with random weights: nothing is downloaded.
+
+`build_text_model` makes a Qwen2 causal LM (hidden 128, 2 layers, 4 heads, 2
+KV heads) and `build_vl_model` a Qwen2-VL with a 2-layer, 64-wide vision tower
+(patch 14, spatial merge 2); both share a byte-level BPE tokenizer trained
+here on a few sentences (512 ids, then the special tokens Qwen's chat template
+and image placeholders use), wrapped as a ``PreTrainedTokenizerFast`` with a
+chat template. Each is a directory of a few MB that vLLM serves as a model.
+Weights come from a fixed seed, so a directory built twice is the same model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+__all__ = ["IMAGE_PAD", "build_text_model", "build_vl_model"]
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+IMAGE_PAD = "<|image_pad|>"
+VOCAB_SIZE = 512  # learned ids; the special tokens follow them
+PADDED_VOCAB = 576  # the embedding's rows: every id, rounded up
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A prefix cache keeps the keys and values of tokens it has seen before.",
+    "Describe the picture in one sentence, please, and name every colour in it.",
+    "Images, audio and video enter the model as embeddings between text tokens.",
+    "0123456789 !?.,;:-+*/=()[]{}<>'\"",
+]
+
+
+def _tokenizer() -> object:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(CORPUS * 20, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _token_ids(tokenizer: object) -> dict[str, int]:
+    convert = tokenizer.convert_tokens_to_ids  # type: ignore[attr-defined]
+    ids = {token: int(convert(token)) for token in SPECIAL_TOKENS}
+    if max(ids.values()) >= PADDED_VOCAB:
+        raise AssertionError(f"special token ids {ids} exceed the vocabulary {PADDED_VOCAB}")
+    return ids
+
+
+def _text_config_kwargs(ids: dict[str, int]) -> dict[str, object]:
+    return {
+        "vocab_size": PADDED_VOCAB,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "tie_word_embeddings": True,
+    }
+
+
+def build_text_model(path: Path) -> Path:
+    """A tiny Qwen2 causal LM and its tokenizer in ``path``; returns ``path``."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = _tokenizer()
+    config = Qwen2Config(**_text_config_kwargs(_token_ids(tokenizer)))
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)  # type: ignore[attr-defined]
+    return path
+
+
+def build_vl_model(path: Path) -> Path:
+    """A tiny Qwen2-VL, its tokenizer and its processor in ``path``; returns ``path``."""
+    from transformers import (
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    tokenizer = _tokenizer()
+    ids = _token_ids(tokenizer)
+    text = _text_config_kwargs(ids)
+    config = Qwen2VLConfig(
+        text_config={
+            **text,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [4, 6, 6],
+            },
+        },
+        vision_config={
+            "depth": 2,
+            "embed_dim": 64,
+            "hidden_size": 128,
+            "num_heads": 2,
+            "mlp_ratio": 2,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(config)
+    model.save_pretrained(path)
+    # Small images stay small: 224x224 pixels make 16x16 patches, 64 image tokens.
+    pixels = {"min_pixels": 56 * 56, "max_pixels": 224 * 224}
+    image_processor = Qwen2VLImageProcessor(**pixels)
+    video_processor = Qwen2VLVideoProcessor(**pixels)
+    processor = Qwen2VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(path)
+    return path
