@@ -444,6 +444,45 @@ def test_images_hit_as_prefix_caching_does_with_omnicache_digests(
     assert cached_keys(vl_llm) == expected
 
 
+# vLLM's own keys, in a fresh process (in-process engines run one at a time): an
+# image sent with another image's digest as its uuid.
+VLLM_IDS_CHILD = """
+import json, sys
+import test_vllm_live as t
+from pathlib import Path
+from vllm import LLM
+from omnicache.integrations.vllm import multi_modal_uuids
+llm = LLM(**t.engine_args(Path(sys.argv[1]), limit_mm_per_prompt={"image": 1}))
+named_a = multi_modal_uuids({"image": t.picture(1)})
+outputs = []
+for seed in (1, 2):
+    prompt = t.image_prompt(t.picture(seed), with_uuids=False)
+    prompt["multi_modal_uuids"] = named_a
+    outputs.append(t.run_one(llm, prompt))
+print(json.dumps([output.num_cached_tokens for output in outputs]))
+t.shut(llm)
+"""
+
+
+def run_child(script: str, *args: str, **env: str) -> str:
+    """Runs ``script`` in a fresh in-process-engine interpreter; its last line of output."""
+    result = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        env={
+            **os.environ,
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path]),
+            **env,
+        },
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip().splitlines()[-1]
+
+
 # Run in a fresh process: vLLM loads its general plugins once per process.
 FRONTEND_CHILD = """
 import json, sys
@@ -453,8 +492,19 @@ from vllm import LLM
 model = Path(sys.argv[1])
 llm = LLM(**t.engine_args(model, scheduler_cls=t.SCHEDULER, limit_mm_per_prompt={"image": 1}))
 outputs = [t.run_one(llm, t.image_prompt(t.picture(1), with_uuids=False)) for _ in range(2)]
+# An image sent with another image's digest as its uuid (here B named as A).
+named_a = t.image_prompt(t.picture(2), with_uuids=False)
+named_a["multi_modal_uuids"] = {"image": [t.hash_image(t.picture(1)).hex()]}
+try:
+    t.run_one(llm, named_a)
+    refused = None
+except ValueError as error:
+    refused = [type(error).__name__, str(error)]
+outputs.append(t.run_one(llm, t.image_prompt(t.picture(1), with_uuids=False)))
 print(json.dumps({
     "hits": [output.num_cached_tokens for output in outputs],
+    "refused": refused,
+    "same_output": outputs[2].outputs[0].token_ids == outputs[0].outputs[0].token_ids,
     "num_prompt": len(outputs[0].prompt_token_ids),
     "span": t.image_span(llm, outputs[0]),
     "computed": t.computed_tokens(outputs[0]),
@@ -471,25 +521,23 @@ def test_frontend_plugin_fills_in_omnicache_digests(models: dict[str, Path]) -> 
         if entry.name == "omnicache"
     ]
     assert entry_point.value == "omnicache.integrations.vllm.frontend:register"
-    env = {
-        **os.environ,
-        "OMNICACHE_MM_UUIDS": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path]),
-    }
-    result = subprocess.run(
-        [sys.executable, "-c", FRONTEND_CHILD, str(models["vl"])],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    found = json.loads(result.stdout.strip().splitlines()[-1])
+    found = json.loads(run_child(FRONTEND_CHILD, str(models["vl"]), OMNICACHE_MM_UUIDS="1"))
     offset, length = found["span"]
     full = (found["num_prompt"] - 1) // BLOCK_SIZE * BLOCK_SIZE
-    assert found["hits"] == [0, full]
+    before_image = offset // BLOCK_SIZE * BLOCK_SIZE
+    assert found["hits"] == [0, full, full]
+    # An image sent under another image's digest is refused before it is
+    # scheduled; the image it named is served from its own blocks as before.
+    digest_a, digest_b = (hash_image(picture(seed)).hex() for seed in (1, 2))
+    assert found["refused"] == [
+        "IdentifierMismatchError",
+        f"multi_modal_uuids['image'][0]: expected the item's content digest {digest_b} or a "
+        f"uuid that is not shaped as a digest, found {digest_a}",
+    ]
+    assert found["same_output"]
+    # vLLM's own keys take that uuid as the image: the second picture reuses the first's blocks.
+    assert json.loads(run_child(VLLM_IDS_CHILD, str(models["vl"]))) == [0, full]
+    assert before_image < full
     # The image's digest was computed in the child's front end, from the image itself.
     annotation = TokenRangeAnnotation(offset, length, hash_image(picture(1)), 0, length)
     expected = full_block_keys(models["vl"], found["computed"], [annotation])

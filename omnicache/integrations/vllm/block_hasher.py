@@ -10,7 +10,6 @@ its token ids and its ``mm_features``. `install_block_hasher` puts it into an
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +18,7 @@ from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
 from omnicache.block_hash import DEFAULT_BLOCK_ALGORITHM, BlockHash, BlockHasher
 from omnicache.checks import check_bool, check_int, check_str, type_name
 from omnicache.integrations.vllm.common import vllm_series
-from omnicache.integrations.vllm.identifiers import UUID_NAMESPACE
+from omnicache.integrations.vllm.identifiers import HEX_DIGEST, UUID_NAMESPACE
 
 if TYPE_CHECKING:
     from vllm.multimodal.inputs import MultiModalFeatureSpec
@@ -32,9 +31,6 @@ __all__ = [
     "make_request",
     "scheduler_block_hasher",
 ]
-
-# A content digest as `hashing` writes it: 16 (xxh3_128) or 32 bytes, lowercase hex.
-_HEX_DIGEST = re.compile(r"(?:[0-9a-f]{32}){1,2}")
 
 
 def adapter_id(lora_request: object | None, /) -> str | None:
@@ -274,7 +270,7 @@ class RequestBlockHasher:
 
     def _content_hash(self, feature: Any, lora_prefix: str | None, where: str) -> bytes:
         identifier = check_str(f"{where}.identifier", feature.identifier, nonempty=True)
-        if self._trust_hex_identifiers and _HEX_DIGEST.fullmatch(identifier):
+        if self._trust_hex_identifiers and HEX_DIGEST.fullmatch(identifier):
             return bytes.fromhex(identifier)
         if (
             self._trust_hex_identifiers
@@ -282,7 +278,7 @@ class RequestBlockHasher:
             and identifier.startswith(lora_prefix)
         ):
             digest = identifier[len(lora_prefix) :]
-            if _HEX_DIGEST.fullmatch(digest):
+            if HEX_DIGEST.fullmatch(digest):
                 return bytes.fromhex(digest)
         modality = feature.modality
         return hash_identifier(

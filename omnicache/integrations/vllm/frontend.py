@@ -1,14 +1,22 @@
 """omnicache's content digests as vLLM's multimodal identifiers, filled in by the front end.
 
-A prompt that carries no ``multi_modal_uuids`` is given
-`multi_modal_uuids(mm_data)`: the `hashing` digest of each item, computed in
-the front-end process (where the items are still whole: the engine core may
-receive an item's data as None when vLLM's processor cache holds it), just
-before vLLM's multimodal processing. The digests then reach the engine core
-as ``mm_features[i].identifier``, so a `RequestBlockHasher` there keys each
-item by its omnicache digest. A prompt that carries ``multi_modal_uuids`` is
-left as it is, and so is one whose items `hashing` cannot digest (vLLM then
-hashes them itself).
+Each prompt's identifiers are replaced by `checked_multi_modal_uuids`: every
+item without a uuid gets the `hashing` digest of its decoded content,
+computed in the front-end process (where the items are still whole: the
+engine core may receive an item's data as None when vLLM's processor cache
+holds it), just before vLLM's multimodal processing. The digests reach the
+engine core as ``mm_features[i].identifier``, so a `RequestBlockHasher`
+there keys each item by its omnicache digest. The same image sent as a PIL
+object to ``LLM`` or as base64 to the OpenAI server gets the same digest.
+
+A uuid a client sends (``multi_modal_uuids``, or ``"uuid"`` in a chat
+content part) is kept unless it is shaped as a digest: the engine core takes
+such an identifier as content, so it must be the item's own digest, and any
+other is refused with `IdentifierMismatchError` (a ``ValueError``: the
+server answers 400 and nothing is scheduled or cached). A client cannot make
+its image stand in for another one's blocks, nor for vLLM's processor cache
+entry of another image. An item `hashing` cannot digest (precomputed
+embeddings) and that has no uuid is left to vLLM's own hash.
 
 This is the one module that patches vLLM: vLLM has no extension point where
 the front end fills in identifiers, so ``BaseRenderer._process_multimodal``
@@ -27,7 +35,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from omnicache.integrations.vllm.common import vllm_series
-from omnicache.integrations.vllm.identifiers import multi_modal_uuids
+from omnicache.integrations.vllm.identifiers import checked_multi_modal_uuids
 
 __all__ = ["ENABLE_ENV", "PATCHED_VERSION", "install_mm_uuids", "register"]
 
@@ -47,12 +55,22 @@ def register() -> None:
     install_mm_uuids()
 
 
-def _digests(mm_data: Mapping[str, object]) -> dict[str, list[str]] | None:
-    """omnicache's identifiers of every item, or None when one cannot be digested."""
-    try:
-        return multi_modal_uuids(mm_data)
-    except (TypeError, ValueError):
-        return None
+def _decoded(modality: str, item: object) -> object:
+    """What vLLM's media loaders made of an item, unwrapped for `content_identifier`."""
+    media = getattr(item, "media", None)
+    if media is not None and type(item).__name__ == "MediaWithBytes":
+        item = media  # the decoded image or video next to its encoded bytes
+    if modality == "video" and isinstance(item, tuple) and len(item) == 2:
+        frames, metadata = item
+        if isinstance(metadata, dict):
+            return frames  # vLLM's loaders give (frames, metadata)
+    return item
+
+
+def _identifiers(
+    mm_data: Mapping[str, object], mm_uuids: Mapping[str, object] | None
+) -> dict[str, list[str | None]]:
+    return checked_multi_modal_uuids(mm_data, mm_uuids, unwrap=_decoded)
 
 
 def install_mm_uuids() -> None:
@@ -88,8 +106,7 @@ def install_mm_uuids() -> None:
         *,
         skip_mm_cache: bool = False,
     ) -> Any:
-        if mm_uuids is None:
-            mm_uuids = _digests(mm_data)
+        mm_uuids = _identifiers(mm_data, mm_uuids)
         return original(
             self,
             prompt,

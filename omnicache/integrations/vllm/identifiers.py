@@ -8,7 +8,8 @@ computes equal the keys omnicache computes for the same prompt.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from hashing import (
@@ -28,12 +29,19 @@ if TYPE_CHECKING:
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 
 __all__ = [
+    "HEX_DIGEST",
     "SUPPORTED_MODALITIES",
     "UUID_NAMESPACE",
+    "IdentifierMismatchError",
+    "checked_multi_modal_uuids",
     "content_identifier",
     "make_mm_features",
     "multi_modal_uuids",
 ]
+
+HEX_DIGEST = re.compile(r"(?:[0-9a-f]{32}){1,2}")
+"""A content digest as `hashing` writes it: 16 (xxh3_128) or 32 bytes, lowercase hex.
+An identifier of this shape is what `RequestBlockHasher` takes as a digest."""
 
 UUID_NAMESPACE = "omnicache.vllm.mm_uuid"
 """Namespace (``UUID_NAMESPACE/<modality>``) under which an identifier that is
@@ -202,3 +210,117 @@ def make_mm_features(
             )
     features.sort(key=lambda feature: feature.mm_position.offset)
     return features
+
+
+class IdentifierMismatchError(ValueError):
+    """A uuid shaped as a content digest that is not the digest of the item it came with."""
+
+
+def _uuid_items(
+    mm_uuids: Mapping[str, object] | None, counts: Mapping[str, int]
+) -> dict[str, list[str | None]]:
+    """The given uuids per modality as lists as long as the items (None where absent)."""
+    uuids: dict[str, list[str | None]] = {modality: [None] * n for modality, n in counts.items()}
+    if mm_uuids is None:
+        return uuids
+    if not isinstance(mm_uuids, Mapping):
+        raise TypeError(
+            f"multi_modal_uuids: expected a mapping modality -> uuids, found {type_name(mm_uuids)}"
+        )
+    for modality, given in mm_uuids.items():
+        if modality not in uuids:
+            raise ValueError(
+                f"multi_modal_uuids: expected modalities among those of multi_modal_data "
+                f"{sorted(uuids)}, found {modality!r}"
+            )
+        values = list(given) if isinstance(given, list) else [given]
+        if len(values) != len(uuids[modality]):
+            raise ValueError(
+                f"multi_modal_uuids[{modality!r}]: expected {len(uuids[modality])} uuids (one "
+                f"per item), found {len(values)}"
+            )
+        for index, value in enumerate(values):
+            if value is not None and not isinstance(value, str):
+                raise TypeError(
+                    f"multi_modal_uuids[{modality!r}][{index}]: expected str or None, found "
+                    f"{type_name(value)}"
+                )
+            uuids[modality][index] = value
+    return uuids
+
+
+def checked_multi_modal_uuids(
+    mm_data: Mapping[str, object],
+    mm_uuids: Mapping[str, object] | None,
+    /,
+    *,
+    unwrap: Callable[[str, object], object] | None = None,
+    algorithm: Algorithm = DEFAULT_ALGORITHM,
+) -> dict[str, list[str | None]]:
+    """A front end's identifiers: each item's digest, client uuids kept only where safe.
+
+    For each item (in the order of ``mm_data``), with ``given`` its uuid in
+    ``mm_uuids`` (None when absent):
+
+    - an item present with no uuid gets its `content_identifier`;
+    - an item present with a uuid shaped as a digest (`HEX_DIGEST`, which the
+      engine takes as a content digest) must carry exactly its own digest:
+      anything else would name another item's blocks with this item's
+      content, so it is refused;
+    - an item present with any other uuid (a client's own name for it) keeps
+      it: the engine hashes such names under `UUID_NAMESPACE`, apart from
+      every digest;
+    - an item sent as None (a client referring to an item vLLM has cached
+      under that uuid) keeps its uuid, as vLLM requires.
+
+    Args:
+        mm_data: modality -> one item or a list of items (None for an item
+            referred to by uuid only).
+        mm_uuids: modality -> one uuid or a list of uuids (None for an item
+            with none), or None.
+        unwrap: maps ``(modality, item)`` to what `content_identifier` takes
+            (a front end's own wrappers around decoded media); identity if None.
+
+    Returns:
+        modality -> identifiers in the order of the items. An item that
+        cannot be digested here (a modality or a type `content_identifier`
+        does not take, such as precomputed embeddings) and has no uuid stays
+        None: vLLM identifies it with its own content hash.
+
+    Raises:
+        IdentifierMismatchError: a digest-shaped uuid that is not the item's
+            digest, or that comes with an item that cannot be digested here.
+        TypeError, ValueError: ``mm_uuids`` does not match the items.
+    """
+    if not isinstance(mm_data, Mapping):
+        raise TypeError(
+            f"multi_modal_data: expected a mapping modality -> items, found {type_name(mm_data)}"
+        )
+    items = {
+        modality: list(data) if isinstance(data, list) else [data]
+        for modality, data in mm_data.items()
+    }
+    uuids = _uuid_items(mm_uuids, {modality: len(values) for modality, values in items.items()})
+    for modality, values in items.items():
+        for index, item in enumerate(values):
+            given = uuids[modality][index]
+            where = f"multi_modal_uuids[{modality!r}][{index}]"
+            if item is None or (given is not None and not HEX_DIGEST.fullmatch(given)):
+                continue
+            try:
+                media = item if unwrap is None else unwrap(modality, item)
+                digest = content_identifier(media, modality=modality, algorithm=algorithm)
+            except (TypeError, ValueError) as exc:
+                if given is None:
+                    continue  # not digestable here: vLLM identifies it itself
+                raise IdentifierMismatchError(
+                    f"{where}: expected a uuid that is not shaped as a digest for an item whose "
+                    f"digest cannot be checked ({exc}), found {given}"
+                ) from exc
+            if given is not None and given != digest:
+                raise IdentifierMismatchError(
+                    f"{where}: expected the item's content digest {digest} or a uuid that is "
+                    f"not shaped as a digest, found {given}"
+                )
+            uuids[modality][index] = digest
+    return uuids

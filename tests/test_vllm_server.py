@@ -1,0 +1,355 @@
+"""omnicache in vLLM's OpenAI server: chat completions with base64 images, keys and metrics.
+
+One server (``python -m vllm.entrypoints.openai.api_server``, vLLM 0.32's
+live CPU engine) serves the tiny Qwen2-VL of ``live_models`` on a loopback
+port with omnicache on as a user turns it on: ``--scheduler-cls`` naming
+`OmniScheduler` and ``OMNICACHE_MM_UUIDS=1``, so the front end fills in each
+image's omnicache digest and checks the uuids clients send. A scripted
+sequence of requests runs once against it; the tests read what it recorded:
+the HTTP outcome, the ``/metrics`` prefix-cache counters around each
+request, the completion's tokens, and the keys of the blocks the engine
+stored (its KV cache events).
+
+Same conditions as ``test_vllm_live``: skipped without the live engine,
+failed instead under ``CI=true`` or ``OMNICACHE_REQUIRE_VLLM_LIVE=1``.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_vllm_live import (
+    BLOCK_SIZE,
+    LIVE_MISSING,
+    LIVE_REQUIRED,
+    PREAMBLE,
+    SCHEDULER,
+    EventListener,
+    free_port,
+    full_block_keys,
+    picture,
+)
+
+from hashing import hash_identifier, hash_image
+from omnicache.annotations import TokenRangeAnnotation
+from omnicache.block_hash import block_hash_low64
+from omnicache.integrations.vllm import UUID_NAMESPACE
+
+pytestmark = [
+    pytest.mark.vllm_live,
+    pytest.mark.skipif(LIVE_MISSING is not None and not LIVE_REQUIRED, reason=LIVE_MISSING or ""),
+]
+
+MAX_TOKENS = 8
+IMAGE_TOKENS = 64  # 224 x 224 pixels: 16 x 16 patches of 14, merged 2 x 2
+QUESTION = "Which colour is it?"
+SERVER_READY_S = 240.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _live_engine_required() -> None:
+    if LIVE_MISSING is not None:
+        pytest.fail(
+            f"CI=true or OMNICACHE_REQUIRE_VLLM_LIVE=1 requires the live engine: {LIVE_MISSING}",
+            pytrace=False,
+        )
+
+
+def data_url(seed: int) -> str:
+    """``picture(seed)`` as a base64 PNG data URL (lossless: the server decodes the same pixels)."""
+    buffer = io.BytesIO()
+    picture(seed).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def chat_body(url: str, uuid: str | None = None) -> dict[str, Any]:
+    image: dict[str, Any] = {"type": "image_url", "image_url": {"url": url}}
+    if uuid is not None:
+        image["uuid"] = uuid
+    return {
+        "model": "tiny-vl",
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": PREAMBLE},
+                    image,
+                    {"type": "text", "text": QUESTION},
+                ],
+            }
+        ],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+
+
+class Server:
+    """A running OpenAI server and the KV cache events it publishes."""
+
+    def __init__(self, model: Path, log: Path) -> None:
+        self.port = free_port()
+        events_port = free_port()
+        self.events = EventListener(f"tcp://127.0.0.1:{events_port}")
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{events_port}",
+        }
+        command = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--served-model-name", "tiny-vl",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes", str(64 * 2**20),
+            "--max-model-len", "1024", "--max-num-seqs", "4", "--dtype", "float32",
+            "--enforce-eager", "--seed", "0", "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--limit-mm-per-prompt", json.dumps({"image": 1}),
+            "--kv-events-config", json.dumps(events),
+            "--scheduler-cls", SCHEDULER,
+        ]  # fmt: skip
+        env = {**os.environ, "OMNICACHE_MM_UUIDS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+        self._log = log.open("wb")
+        self.process = subprocess.Popen(
+            command, env=env, stdout=self._log, stderr=subprocess.STDOUT
+        )
+        self.log = log
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + SERVER_READY_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(
+                    f"the server exited ({self.process.returncode}): {self.tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.url("/health"), timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"the server was not ready in {SERVER_READY_S:.0f} s: {self.tail()}")
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def chat(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        request = urllib.request.Request(
+            self.url("/v1/chat/completions"),
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+    def counters(self) -> tuple[int, int]:
+        """vLLM's prefix-cache (queries, hits) in tokens, from ``/metrics``."""
+        with urllib.request.urlopen(self.url("/metrics"), timeout=10) as response:
+            text = response.read().decode()
+        values = {"vllm:prefix_cache_queries_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in values:
+                values[name] += float(line.rsplit(" ", 1)[1])
+        return int(values["vllm:prefix_cache_queries_total"]), int(
+            values["vllm:prefix_cache_hits_total"]
+        )
+
+    def close(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._log.close()
+        self.events.close()
+
+
+# (name, image seed or a bad URL, uuid or None): the scripted sequence, in order.
+A, B = 1, 2
+GARBAGE_URL = "data:image/png;base64," + base64.b64encode(b"not an image at all").decode()
+SEQUENCE: list[tuple[str, int | str, str | None]] = [
+    ("a", A, None),
+    ("a again", A, None),
+    ("b", B, None),
+    ("b again", B, None),
+    ("malformed", GARBAGE_URL, None),
+    ("b named as a", B, hash_image(picture(A)).hex()),
+    ("a after", A, None),
+    ("b after", B, None),
+    ("b as client-b", B, "client-b"),
+    ("b as client-b again", B, "client-b"),
+]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    from live_models import build_vl_model
+
+    root = tmp_path_factory.mktemp("server")
+    model = build_vl_model(root / "qwen2-vl-tiny")
+    server = Server(model, root / "server.log")
+    try:
+        server.wait_ready()
+        results: dict[str, Any] = {"model": model}
+        for name, image, uuid in SEQUENCE:
+            url = data_url(image) if isinstance(image, int) else image
+            before = server.counters()
+            status, body = server.chat(chat_body(url, uuid))
+            after = server.counters()
+            results[name] = {
+                "status": status,
+                "body": body,
+                "queries": after[0] - before[0],
+                "hits": after[1] - before[1],
+            }
+        stored = {
+            block_hash_low64(key)
+            for name, seed, uuid in SEQUENCE
+            if results[name]["status"] == 200
+            for key in prompt_keys(model, results[name]["body"], seed, uuid)
+        }
+        server.events.wait_for(stored, timeout=10.0)
+        results["events"] = set(server.events.stored)
+        yield results
+    finally:
+        server.close()
+
+
+def prompt_token_ids(model: Path) -> list[int]:
+    """The prompt the server builds: the chat template, the image pad expanded to its tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": PREAMBLE},
+                {"type": "image"},
+                {"type": "text", "text": QUESTION},
+            ],
+        }
+    ]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    pad = "<|image_pad|>"
+    assert text.count(pad) == 1
+    ids: list[int] = tokenizer.encode(
+        text.replace(pad, pad * IMAGE_TOKENS), add_special_tokens=False
+    )
+    return ids
+
+
+def image_offset(ids: list[int], model: Path) -> int:
+    from transformers import AutoTokenizer
+
+    pad = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids("<|image_pad|>")
+    return ids.index(pad)
+
+
+def prompt_keys(model: Path, body: dict[str, Any], seed: int | str, uuid: str | None) -> list[Any]:
+    """omnicache's keys of the full blocks a completed request computed."""
+    assert isinstance(seed, int)
+    ids = list(body["prompt_token_ids"])
+    computed = ids + list(body["choices"][0]["token_ids"][:-1])
+    offset = image_offset(ids, model)
+    if uuid is None:
+        digest = hash_image(picture(seed))
+    else:
+        digest = hash_identifier(uuid, namespace=f"{UUID_NAMESPACE}/image")
+    annotation = TokenRangeAnnotation(offset, IMAGE_TOKENS, digest, 0, IMAGE_TOKENS)
+    return full_block_keys(model, computed, [annotation])
+
+
+def test_server_prompt_is_the_expected_tokens(served: dict[str, Any]) -> None:
+    ids = prompt_token_ids(served["model"])
+    assert served["a"]["body"]["prompt_token_ids"] == ids
+    assert served["b"]["body"]["prompt_token_ids"] == ids
+    assert served["a"]["body"]["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_base64_images_move_the_prefix_cache_counters_exactly(served: dict[str, Any]) -> None:
+    ids = prompt_token_ids(served["model"])
+    full = (len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE  # vLLM never hits the last token
+    before_image = image_offset(ids, served["model"]) // BLOCK_SIZE * BLOCK_SIZE
+    assert 0 < before_image < full
+    expected = {
+        "a": 0,
+        "a again": full,
+        "b": before_image,
+        "b again": full,
+        "a after": full,
+        "b after": full,
+        "b as client-b": before_image,
+        "b as client-b again": full,
+    }
+    found = {name: served[name]["hits"] for name in expected}
+    assert found == expected
+    assert {name: served[name]["status"] for name in expected} == dict.fromkeys(expected, 200)
+    assert {name: served[name]["queries"] for name in expected} == dict.fromkeys(expected, len(ids))
+    # The usage vLLM reports per request agrees with its counters.
+    for name, hits in expected.items():
+        details = served[name]["body"]["usage"].get("prompt_tokens_details") or {}
+        assert details.get("cached_tokens", 0) == hits, name
+
+
+def test_cached_images_give_the_outputs_computed_without_cache(served: dict[str, Any]) -> None:
+    def tokens(name: str) -> list[int]:
+        return list(served[name]["body"]["choices"][0]["token_ids"])
+
+    assert len(tokens("a")) == MAX_TOKENS
+    assert tokens("a again") == tokens("a") == tokens("a after")
+    assert tokens("b again") == tokens("b") == tokens("b after")
+    assert tokens("b as client-b") == tokens("b as client-b again") == tokens("b")
+
+
+def test_malformed_image_is_refused_and_changes_nothing(served: dict[str, Any]) -> None:
+    result = served["malformed"]
+    assert result["status"] == 400
+    assert (result["queries"], result["hits"]) == (0, 0)
+    assert "image" in result["body"]["error"]["message"].lower()
+
+
+def test_uuid_naming_another_images_digest_is_refused(served: dict[str, Any]) -> None:
+    result = served["b named as a"]
+    assert result["status"] == 400
+    assert (result["queries"], result["hits"]) == (0, 0)
+    digest_a = hash_image(picture(A)).hex()
+    digest_b = hash_image(picture(B)).hex()
+    message = result["body"]["error"]["message"]
+    assert (
+        f"multi_modal_uuids['image'][0]: expected the item's content digest {digest_b} or a "
+        f"uuid that is not shaped as a digest, found {digest_a}"
+    ) in message
+
+
+def test_server_blocks_are_keyed_by_omnicache_digests(served: dict[str, Any]) -> None:
+    expected = {
+        block_hash_low64(key)
+        for name, seed, uuid in SEQUENCE
+        if served[name]["status"] == 200
+        for key in prompt_keys(served["model"], served[name]["body"], seed, uuid)
+    }
+    # Keyed over the image's digest (computed by the server's front end from
+    # the decoded PNG), or over a client's own uuid hashed apart from digests.
+    assert served["events"] == expected
