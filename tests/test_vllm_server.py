@@ -203,37 +203,47 @@ SEQUENCE: list[tuple[str, int | str, str | None]] = [
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def vl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from live_models import build_vl_model
 
-    root = tmp_path_factory.mktemp("server")
-    model = build_vl_model(root / "qwen2-vl-tiny")
-    server = Server(model, root / "server.log")
+    return build_vl_model(tmp_path_factory.mktemp("server-model") / "qwen2-vl-tiny")
+
+
+@pytest.fixture(scope="module")
+def server(vl_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One OpenAI server for the module's tests, ready on ``/health``."""
+    running = Server(vl_model, tmp_path_factory.mktemp("server") / "server.log")
     try:
-        server.wait_ready()
-        results: dict[str, Any] = {"model": model}
-        for name, image, uuid in SEQUENCE:
-            url = data_url(image) if isinstance(image, int) else image
-            before = server.counters()
-            status, body = server.chat(chat_body(url, uuid))
-            after = server.counters()
-            results[name] = {
-                "status": status,
-                "body": body,
-                "queries": after[0] - before[0],
-                "hits": after[1] - before[1],
-            }
-        stored = {
-            block_hash_low64(key)
-            for name, seed, uuid in SEQUENCE
-            if results[name]["status"] == 200
-            for key in prompt_keys(model, results[name]["body"], seed, uuid)
-        }
-        server.events.wait_for(stored, timeout=10.0)
-        results["events"] = set(server.events.stored)
-        yield results
+        running.wait_ready()
+        yield running
     finally:
-        server.close()
+        running.close()
+
+
+@pytest.fixture(scope="module")
+def served(server: Server, vl_model: Path) -> dict[str, Any]:
+    """SEQUENCE through the server, once: each request's outcome and counter moves."""
+    results: dict[str, Any] = {"model": vl_model}
+    for name, image, uuid in SEQUENCE:
+        url = data_url(image) if isinstance(image, int) else image
+        before = server.counters()
+        status, body = server.chat(chat_body(url, uuid))
+        after = server.counters()
+        results[name] = {
+            "status": status,
+            "body": body,
+            "queries": after[0] - before[0],
+            "hits": after[1] - before[1],
+        }
+    stored = {
+        block_hash_low64(key)
+        for name, seed, uuid in SEQUENCE
+        if results[name]["status"] == 200
+        for key in prompt_keys(vl_model, results[name]["body"], seed, uuid)
+    }
+    server.events.wait_for(stored, timeout=10.0)
+    results["events"] = set(server.events.stored)
+    return results
 
 
 def prompt_token_ids(model: Path) -> list[int]:
