@@ -224,6 +224,7 @@ def server(vl_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 def served(server: Server, vl_model: Path) -> dict[str, Any]:
     """SEQUENCE through the server, once: each request's outcome and counter moves."""
     results: dict[str, Any] = {"model": vl_model}
+    first_event = len(server.events.stored)  # events of this sequence only
     for name, image, uuid in SEQUENCE:
         url = data_url(image) if isinstance(image, int) else image
         before = server.counters()
@@ -242,7 +243,7 @@ def served(server: Server, vl_model: Path) -> dict[str, Any]:
         for key in prompt_keys(vl_model, results[name]["body"], seed, uuid)
     }
     server.events.wait_for(stored, timeout=10.0)
-    results["events"] = set(server.events.stored)
+    results["events"] = set(server.events.stored[first_event:])
     return results
 
 
