@@ -27,10 +27,14 @@ Configuration: ``kv_transfer_config={"kv_connector": "OmniStoreConnector",
 ``max_prompt_results`` (see the worker). A request asks for its prompt's
 hidden states with ``SamplingParams(extra_args={PROMPT_HIDDEN_STATES: True})``.
 
-What a connector changes in vLLM 0.32: the hybrid KV cache manager is turned
+What a connector changes in vLLM 0.32 (``vllm/config/vllm.py``,
+``vllm/v1/core/sched/scheduler.py``): the hybrid KV cache manager is turned
 off (one full-attention group is all the store supports anyway), each
-attention layer calls the connector's no-op per-layer hooks, and the engine
-steps even with no tokens scheduled so that the connector's metadata flows.
+attention layer calls the connector's no-op per-layer hooks, a step with no
+tokens still binds the metadata, and role ``kv_both`` makes vLLM hand each
+finished request's block ids to ``request_finished`` (which never delays
+their free) and defer frees only with several batches in flight (async
+scheduling, which vLLM turns off on CPU).
 
 Importing this module needs vLLM 0.32 or 0.33.
 """
@@ -88,11 +92,13 @@ def wants_prompt_hidden_states(sampling_params: Any) -> bool:
     if not extra or PROMPT_HIDDEN_STATES not in extra:
         return False
     value = extra[PROMPT_HIDDEN_STATES]
-    if not isinstance(value, bool):
+    # NOTE: the server's ``vllm_xargs`` carry no bools: 1 and 0 stand for them.
+    if not (isinstance(value, bool) or (type(value) is int and value in (0, 1))):
         raise ValueError(
-            f"extra_args[{PROMPT_HIDDEN_STATES!r}]: expected True or False, found {value!r}"
+            f"extra_args[{PROMPT_HIDDEN_STATES!r}]: expected True or False (or 1 or 0), "
+            f"found {value!r}"
         )
-    return value
+    return bool(value)
 
 
 @dataclass

@@ -46,6 +46,8 @@ class LiveStoreStats:
     """Counters of a `LiveStore` since construction (``num_pending_results``: now)."""
 
     num_steps: int = 0
+    # Blocks whose stamps the plans cleared (vLLM handed them out again).
+    num_cleared_blocks: int = 0
     num_rows_written: int = 0
     # Prefix hits verified, and their blocks.
     num_hit_requests: int = 0
@@ -140,6 +142,7 @@ class LiveStore:
             store.invalidate_all()
         if plan.cleared_block_ids:
             store.invalidate(plan.cleared_block_ids)
+            self._stats.num_cleared_blocks += len(plan.cleared_block_ids)
         for req_id, num_tokens in plan.prompt_requests.items():
             self._prompts[req_id] = _Prompt(num_tokens)
         batch: list[PlannedRequest] = []

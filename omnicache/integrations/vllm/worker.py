@@ -60,6 +60,8 @@ __all__ = [
     "TAKE_METHOD",
     "WORKER_CLS",
     "OmniCPUWorker",
+    "decode_rows",
+    "encode_rows",
     "take_prompt_hidden_states",
 ]
 
@@ -186,11 +188,19 @@ class OmniCPUWorker(CPUWorker):  # type: ignore[misc]
 
     def omni_take_prompt_hidden_states(
         self, request_ids: Sequence[str]
-    ) -> dict[str, torch.Tensor | None]:
-        """Removes and returns the prompt results of ``request_ids`` (engine core ids)."""
+    ) -> dict[str, dict[str, Any] | None]:
+        """Removes and returns the prompt results of ``request_ids`` (engine core ids), encoded.
+
+        NOTE: vLLM's msgpack transport from the engine core to the caller
+        turns tensors into nested lists; plain bytes travel as they are (see
+        `decode_rows`).
+        """
         if self.omni_store is None:
             return {}
-        return self.omni_store.take(request_ids)
+        return {
+            req_id: None if rows is None else encode_rows(rows)
+            for req_id, rows in self.omni_store.take(request_ids).items()
+        }
 
     def omni_live_store_stats(self) -> dict[str, int]:
         """The live store's counters and its store's, the latter prefixed ``store_``."""
@@ -199,6 +209,22 @@ class OmniCPUWorker(CPUWorker):  # type: ignore[misc]
         stats = asdict(self.omni_store.stats)
         stats.update({f"store_{k}": v for k, v in asdict(self.omni_store.store.stats).items()})
         return stats
+
+
+def encode_rows(rows: torch.Tensor) -> dict[str, Any]:
+    """A CPU tensor as plain values: dtype name, shape and raw bytes."""
+    rows = rows.contiguous()
+    return {
+        "dtype": str(rows.dtype).removeprefix("torch."),
+        "shape": list(rows.shape),
+        "data": rows.view(torch.uint8).numpy().tobytes(),
+    }
+
+
+def decode_rows(value: dict[str, Any]) -> torch.Tensor:
+    """The tensor `encode_rows` encoded."""
+    dtype = getattr(torch, value["dtype"])
+    return torch.frombuffer(bytearray(value["data"]), dtype=dtype).reshape(value["shape"])
 
 
 def take_prompt_hidden_states(llm: Any, outputs: Sequence[Any]) -> list[torch.Tensor | None]:
@@ -233,4 +259,4 @@ def take_prompt_hidden_states(llm: Any, outputs: Sequence[Any]) -> list[torch.Te
             f"outputs: expected a prompt result for each request, found none for {missing} "
             "(taken already, or dropped past max_prompt_results)"
         )
-    return [found[req_id] for req_id in ids]
+    return [None if found[req_id] is None else decode_rows(found[req_id]) for req_id in ids]
