@@ -67,16 +67,15 @@ def vl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def store_args(model: Path, **overrides: Any) -> dict[str, Any]:
-    from vllm.config import KVTransferConfig
-
     return live.engine_args(
         model,
         worker_cls=WORKER,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="OmniStoreConnector",
-            kv_connector_module_path="omnicache.integrations.vllm.connector",
-            kv_role="kv_both",
-        ),
+        # As a user passes it (README): LLM turns the dict into a KVTransferConfig.
+        kv_transfer_config={
+            "kv_connector": "OmniStoreConnector",
+            "kv_connector_module_path": "omnicache.integrations.vllm.connector",
+            "kv_role": "kv_both",
+        },
         kv_cache_memory_bytes=NUM_BLOCKS * BLOCK_BYTES,
         max_model_len=512,
         limit_mm_per_prompt={"image": 1},
