@@ -41,6 +41,7 @@ Importing this module needs vLLM 0.32 or 0.33.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -80,6 +81,8 @@ PROMPT_HIDDEN_STATES = "omnicache_prompt_hidden_states"
 """The ``SamplingParams.extra_args`` key by which a request asks for its prompt's hidden states."""
 REQUEST_ID_PARAM = "omnicache_request_id"
 """The ``kv_transfer_params`` key of the engine core's id of a request that asked."""
+
+_LOG = logging.getLogger(__name__)
 
 
 def wants_prompt_hidden_states(sampling_params: Any) -> bool:
@@ -170,7 +173,7 @@ class OmniStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         prompt_requests = {
             new.req_id: new.prompt_len
             for new in scheduler_output.scheduled_new_reqs
-            if wants_prompt_hidden_states(new.sampling_params)
+            if _asks(new.req_id, new.sampling_params)
         }
         finished = sorted(scheduler_output.finished_req_ids)
         scheduled = _scheduled(scheduler_output)
@@ -195,9 +198,21 @@ class OmniStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        if wants_prompt_hidden_states(request.sampling_params):
+        if _asks(request.request_id, request.sampling_params):
             return False, {REQUEST_ID_PARAM: request.request_id}
         return False, None
+
+
+def _asks(req_id: str, sampling_params: Any) -> bool:
+    """`wants_prompt_hidden_states`, where a bad value is logged and taken as no.
+
+    NOTE: an exception here would stop the engine for one request's typo.
+    """
+    try:
+        return wants_prompt_hidden_states(sampling_params)
+    except ValueError as error:
+        _LOG.warning("request %s: %s; its prompt's hidden states are not kept", req_id, error)
+        return False
 
 
 def _scheduled(scheduler_output: SchedulerOutput) -> Iterator[tuple[str, int, int]]:
