@@ -39,7 +39,11 @@ one module each, beside ``common`` (vLLM's version gate, `INSTALL_HINT`):
 
 In a live engine, ``plugin.OmniScheduler`` (named as vLLM's ``scheduler_cls``;
 not imported here, since it subclasses vLLM's scheduler) puts 1. and 3. in
-place inside the engine core's process.
+place inside the engine core's process. With ``worker.OmniCPUWorker``
+(``worker_cls``) and ``connector.OmniStoreConnector`` (``kv_transfer_config``),
+the process that runs the model keeps each step's hidden states in a store
+(``live_store``) written by the scheduler's per-step plan (``step_plan``,
+built from ``mirror``), and returns prompt hidden states on request.
 
 Limits: one full-attention KV cache group whose block size equals the hash
 block size; no lookahead block hashes (EAGLE's

@@ -34,7 +34,7 @@ from __future__ import annotations
 import reprlib
 from collections.abc import Mapping, Sequence, Sized
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.request import Request
 
-__all__ = ["OmniKVCacheManager", "OmniStats", "StepRequest"]
+__all__ = ["OmniKVCacheManager", "OmniStats", "StepListener", "StepRequest"]
 
 # vLLM keys its hash table by key + a 4-byte group id (BlockHashWithGroupId).
 _GROUP_ID_BYTES = 4
@@ -64,6 +64,27 @@ StepRequest = ScheduledRequest
 one per request, in batch order, with ``hit_block_ids`` and ``hit_block_keys``
 left empty: the wrapper fills them in from the hit it recorded at allocation.
 """
+
+
+class StepListener(Protocol):
+    """Hears, synchronously and in scheduling order, what changes a manager's blocks.
+
+    ``on_allocated``: the request was given slots for its tokens ``start ..
+    start + len(slots) - 1``, which the next forward pass computes; ``slots``
+    are their KV cache slots and ``block_keys`` the keys of the full blocks
+    they touch. ``on_cleared``: vLLM handed block ``block_id`` out again or
+    dropped its key (None: every block, the prefix cache was reset).
+    """
+
+    def on_allocated(
+        self,
+        request_id: str,
+        start: int,
+        slots: npt.NDArray[np.int64],
+        block_keys: dict[int, BlockHash],
+    ) -> None: ...
+
+    def on_cleared(self, block_id: int | None) -> None: ...
 
 
 @dataclass(slots=True)
@@ -217,6 +238,7 @@ class OmniKVCacheManager:
         "_block_size",
         "_group_id",
         "_hook",
+        "_listeners",
         "_manager",
         "_requests",
         "_require_stored",
@@ -270,6 +292,7 @@ class OmniKVCacheManager:
         self._block_size = store.block_size
         self._require_stored = require_stored_outputs
         self._requests: dict[str, _RequestState] = {}
+        self._listeners: list[StepListener] = []
         self._stats = OmniStats()
         self._aborted_statuses = frozenset(
             (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
@@ -318,6 +341,10 @@ class OmniKVCacheManager:
         self._store.invalidate_all()
         self._requests.clear()
 
+    def add_listener(self, listener: StepListener) -> None:
+        """Tells ``listener`` of every allocation and every cleared block from now on."""
+        self._listeners.append(listener)
+
     # -- vLLM's hooks -------------------------------------------------------------
 
     def _on_block_reused(self, block: Any) -> None:
@@ -327,9 +354,13 @@ class OmniKVCacheManager:
             BlockHash(b"" if key is None else bytes(key[:-_GROUP_ID_BYTES])),
         )
         self._stats.num_cleared_blocks += 1
+        for listener in self._listeners:
+            listener.on_cleared(block.block_id)
 
     def _on_reset(self) -> None:
         self._store.invalidate_all()
+        for listener in self._listeners:
+            listener.on_cleared(None)
 
     # -- the manager's interface -----------------------------------------------------
 
@@ -423,6 +454,14 @@ class OmniKVCacheManager:
             state.hit_block_keys = tuple(request.block_hashes[:num_blocks])
             state.num_hit_tokens = num_blocks * self._block_size
             self._stats.num_hit_blocks += num_blocks
+        if self._listeners and num_new_tokens > 0:
+            # NOTE: a new request's computed tokens are set after allocation.
+            start = request.num_computed_tokens + num_new_computed_tokens
+            start += kwargs.get("num_external_computed_tokens", 0)
+            keys: dict[int, BlockHash] = {}
+            slots = state.slots(start, num_new_tokens, self._block_size, keys, "allocate_slots")
+            for listener in self._listeners:
+                listener.on_allocated(request_id, start, slots, keys)
         return new_blocks
 
     def free(self, request: Request) -> None:
@@ -467,6 +506,11 @@ class OmniKVCacheManager:
     def request_block_ids(self, request_id: str) -> list[int]:
         """The request's block ids in vLLM's group, first block first."""
         return [block.block_id for block in self._state(request_id, "request_id").blocks]
+
+    def hit_blocks(self, request_id: str) -> tuple[tuple[int, ...], tuple[BlockHash, ...]]:
+        """The request's hit blocks and their keys, first block first (empty: no hit)."""
+        state = self._state(request_id, "request_id")
+        return state.hit_block_ids, state.hit_block_keys
 
     def request_block_keys(self, request_id: str) -> dict[int, BlockHash]:
         """Block id -> key of each of the request's full blocks: the stamps its rows get."""

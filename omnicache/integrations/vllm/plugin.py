@@ -12,10 +12,13 @@ patched:
   same hasher for every appended token (the engine core keys a new request
   with vLLM's own hasher first; `OmniScheduler.add_request` replaces those
   keys before the request is queued or looked up);
-- the KV cache manager is wrapped in an `OmniKVCacheManager` whose
-  `TensorStore` holds no entries: nothing writes model outputs in a live
-  engine yet, so no hit is capped (with an entry registered and no writer,
-  the wrapper would cap every hit to zero).
+- the KV cache manager is wrapped in an `OmniKVCacheManager`. Alone, its
+  `TensorStore` holds no entries and no hit is capped. With the
+  `OmniStoreConnector` configured (``kv_transfer_config``) and the
+  `OmniCPUWorker` (``worker_cls``), the worker stores each step's hidden
+  states, and the wrapper's store becomes the scheduler's mirror of the
+  worker's stamps (`StoreMirror`): every hit is capped to blocks whose rows
+  the worker holds.
 
 Multimodal items enter the keys through ``mm_features[i].identifier``: pass
 ``multi_modal_uuids=omnicache.integrations.vllm.multi_modal_uuids(mm_data)``
@@ -43,7 +46,9 @@ from hashing import ALGORITHMS, Algorithm
 from omnicache.block_hash import DEFAULT_BLOCK_ALGORITHM
 from omnicache.integrations.vllm.block_hasher import RequestBlockHasher, scheduler_block_hasher
 from omnicache.integrations.vllm.common import vllm_series
+from omnicache.integrations.vllm.connector import OmniStoreConnector
 from omnicache.integrations.vllm.manager import OmniKVCacheManager
+from omnicache.integrations.vllm.mirror import StoreMirror
 from omnicache.store import TensorStore
 
 _SERIES = vllm_series()  # vLLM imports this module by name: fail here, with the install hint.
@@ -73,6 +78,8 @@ class OmniScheduler(Scheduler):  # type: ignore[misc]
     Attributes:
         omni_block_hasher: the `RequestBlockHasher` every request is keyed with.
         omni_manager: the `OmniKVCacheManager` standing as ``kv_cache_manager``.
+        omni_mirror: the `StoreMirror` of the worker's stamps, when the
+            `OmniStoreConnector` is configured (else None).
     """
 
     kv_cache_manager: Any  # vLLM's manager, then the wrapper
@@ -96,6 +103,11 @@ class OmniScheduler(Scheduler):  # type: ignore[misc]
         store = TensorStore(manager.block_pool.num_gpu_blocks, self.hash_block_size)
         self.omni_manager = OmniKVCacheManager(manager, store)
         self.kv_cache_manager = self.omni_manager
+        self.omni_mirror: StoreMirror | None = None
+        # NOTE: vLLM builds the connector (by name) inside its scheduler's
+        # constructor, before the manager is wrapped.
+        if isinstance(self.connector, OmniStoreConnector):
+            self.omni_mirror = self.connector.bind_manager(self.omni_manager)
 
     def add_request(self, request: Any) -> None:
         """Keys a new request with omnicache keys, then queues it as vLLM does."""

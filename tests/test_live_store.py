@@ -1,0 +1,155 @@
+"""LiveStore: a worker's store applied step by step from StepPlans (no vLLM needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from omnicache.block_hash import BlockHash
+from omnicache.integrations.vllm.live_store import LiveStore
+from omnicache.integrations.vllm.step_plan import (
+    PlannedRequest,
+    StepPlan,
+    block_ids_of,
+    planned_slots,
+)
+from omnicache.store import HIDDEN_STATES, TensorStore
+
+BS = 4  # tokens per block
+HIDDEN = 3
+K = [BlockHash(bytes([i]) * 32) for i in range(8)]
+
+
+def new_live(max_results: int = 8) -> LiveStore:
+    return LiveStore(
+        TensorStore(8, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32),
+        max_results=max_results,
+    )
+
+
+def rows(first: int, count: int) -> torch.Tensor:
+    """Distinct rows: row i holds first + i in every column."""
+    return torch.arange(first, first + count, dtype=torch.float32)[:, None].repeat(1, HIDDEN)
+
+
+def slots_of(plan: StepPlan, order: list[str], padding: int = 0) -> torch.Tensor:
+    by_id = {item.req_id: item for item in plan.requests}
+    slots = planned_slots([by_id[req_id] for req_id in order], BS)
+    assert slots is not None
+    return torch.from_numpy(np.concatenate([slots, np.full(padding, -1, dtype=np.int64)]))
+
+
+def test_block_ids_and_planned_slots() -> None:
+    assert block_ids_of(np.array([6, 7, 12, 13], dtype=np.int64), BS) == (1, 3)
+    assert block_ids_of(np.zeros(0, dtype=np.int64), BS) == ()
+    plan = [PlannedRequest("a", 2, 4, (5, 2)), PlannedRequest("b", 8, 1, (3,))]
+    assert planned_slots(plan, BS).tolist() == [22, 23, 8, 9, 12]  # type: ignore[union-attr]
+    assert planned_slots([PlannedRequest("a", 0, 2)], BS) is None
+    assert planned_slots([PlannedRequest("a", 0, 5, (1,))], BS) is None
+
+
+def test_a_hit_reads_the_stored_rows_then_the_steps_rows() -> None:
+    live = new_live()
+    # Request "a": 9 prompt tokens in blocks 1, 2, 3; the first two blocks are full.
+    first = StepPlan(
+        caching=True,
+        requests=(PlannedRequest("a", 0, 9, (1, 2, 3)),),
+        block_keys={1: K[1], 2: K[2]},
+        prompt_requests={"a": 9},
+    )
+    live.apply(first, ["a"], rows(100, 11), slots_of(first, ["a"], padding=2))
+    assert live.store.stamp_of(HIDDEN_STATES, 1) == K[1]
+    assert live.store.stamp_of(HIDDEN_STATES, 2) == K[2]
+    assert live.store.stamp_of(HIDDEN_STATES, 3) is None
+    # Request "b" hits blocks 1 and 2 and computes its last 2 prompt tokens in block 4,
+    # in the same step as a decode token of "a".
+    second = StepPlan(
+        caching=True,
+        requests=(
+            PlannedRequest("a", 9, 1, (3,)),
+            PlannedRequest("b", 8, 2, (4,), (1, 2), (K[1], K[2])),
+        ),
+        prompt_requests={"b": 10},
+    )
+    live.apply(second, ["b", "a"], rows(500, 3), slots_of(second, ["b", "a"]))
+    found = live.take(["a", "b", "c"])
+    assert sorted(found) == ["a", "b"]
+    assert torch.equal(found["a"], rows(100, 9))  # type: ignore[arg-type]
+    assert torch.equal(found["b"], torch.cat([rows(100, 8), rows(500, 2)]))  # type: ignore[arg-type]
+    stats = live.stats
+    assert (stats.num_hit_requests, stats.num_hit_blocks, stats.num_stale_hit_blocks) == (1, 2, 0)
+    assert (stats.num_prompt_results, stats.num_rows_written, stats.num_pending_results) == (
+        2,
+        12,
+        0,
+    )
+    assert live.take(["a", "b"]) == {}
+
+
+def test_a_hit_on_a_cleared_block_is_counted_and_never_served() -> None:
+    live = new_live()
+    plan = StepPlan(
+        caching=True,
+        requests=(PlannedRequest("a", 0, 8, (1, 2)),),
+        block_keys={1: K[1], 2: K[2]},
+    )
+    live.apply(plan, ["a"], rows(0, 8), slots_of(plan, ["a"]))
+    hit = StepPlan(
+        caching=True,
+        requests=(PlannedRequest("b", 8, 1, (5,), (1, 2), (K[1], K[2])),),
+        prompt_requests={"b": 9},
+        cleared_block_ids=(2,),
+    )
+    live.apply(hit, ["b"], rows(50, 1), slots_of(hit, ["b"]))
+    assert live.take(["b"]) == {"b": None}
+    stats = live.stats
+    assert (stats.num_stale_hit_blocks, stats.num_prompt_failures, stats.num_cleared_blocks) == (
+        1,
+        1,
+        1,
+    )
+    assert live.store.stats.num_stale_reads == 1
+
+
+def test_slots_other_than_planned_stamp_nothing() -> None:
+    live = new_live()
+    plan = StepPlan(caching=True, requests=(PlannedRequest("a", 0, 4, (1,)),), block_keys={1: K[1]})
+    live.apply(plan, ["a"], rows(0, 4), torch.tensor([8, 9, 10, 11]))
+    assert live.stats.num_slot_mismatches == 1
+    assert live.store.stamp_of(HIDDEN_STATES, 1) is None
+    assert live.store.stamp_of(HIDDEN_STATES, 2) is None
+    assert live.store.filled_of(HIDDEN_STATES, 2) == BS
+
+
+def test_prompt_across_chunks_results_capped_and_unfinished_dropped() -> None:
+    live = new_live(max_results=1)
+    for req_id in ("a", "b"):
+        plans = [
+            StepPlan(False, (PlannedRequest(req_id, 0, 3),), prompt_requests={req_id: 5}),
+            StepPlan(False, (PlannedRequest(req_id, 3, 2),)),
+        ]
+        for plan, part in zip(plans, (rows(0, 3), rows(3, 2)), strict=True):
+            live.apply(plan, [req_id], part)
+    live.apply(
+        StepPlan(False, (PlannedRequest("c", 0, 2),), prompt_requests={"c": 4}), ["c"], rows(0, 2)
+    )
+    live.apply(StepPlan(False, finished_req_ids=("c",)))
+    assert list(live.take(["a", "b", "c"])) == ["b"]
+    stats = live.stats
+    assert (stats.num_results_dropped, stats.num_incomplete_dropped, stats.num_rows_written) == (
+        1,
+        1,
+        0,
+    )
+
+
+def test_rows_of_other_requests_than_planned_are_refused() -> None:
+    live = new_live()
+    plan = StepPlan(caching=False, requests=(PlannedRequest("a", 0, 2),))
+    with pytest.raises(RuntimeError, match=r"expected rows of the planned requests \['a'\]"):
+        live.apply(plan, ["b"], rows(0, 2))
+    with pytest.raises(ValueError, match=r"max_results: expected"):
+        LiveStore(TensorStore(8, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32), max_results=0)
+    with pytest.raises(ValueError, match=r"store: expected an entry 'hidden_states', found \[\]"):
+        LiveStore(TensorStore(8, BS), max_results=1)
