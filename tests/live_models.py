@@ -15,7 +15,14 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["IMAGE_PAD", "build_text_model", "build_vl_model"]
+__all__ = [
+    "AUDIO_PAD",
+    "AUDIO_SAMPLE_RATE",
+    "IMAGE_PAD",
+    "build_audio_model",
+    "build_text_model",
+    "build_vl_model",
+]
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -27,6 +34,10 @@ SPECIAL_TOKENS = [
     "<|video_pad|>",
 ]
 IMAGE_PAD = "<|image_pad|>"
+# Qwen2-Audio's: an audio clip is <|audio_bos|>, one <|AUDIO|> per audio token, <|audio_eos|>.
+AUDIO_TOKENS = ["<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"]
+AUDIO_PAD = "<|AUDIO|>"
+AUDIO_SAMPLE_RATE = 16000  # Whisper's feature extractor; vLLM resamples nothing at this rate
 VOCAB_SIZE = 512  # learned ids; the special tokens follow them
 PADDED_VOCAB = 576  # the embedding's rows: every id, rounded up
 
@@ -40,6 +51,11 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+AUDIO_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>",
+    "{% if part['type'] == 'audio' %}<|audio_bos|><|AUDIO|><|audio_eos|>",
+)
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "A prefix cache keeps the keys and values of tokens it has seen before.",
@@ -49,7 +65,7 @@ CORPUS = [
 ]
 
 
-def _tokenizer() -> object:
+def _tokenizer(extra_special: list[str] = ()) -> object:  # type: ignore[assignment]
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -62,20 +78,21 @@ def _tokenizer() -> object:
         show_progress=False,
     )
     bpe.train_from_iterator(CORPUS * 20, trainer=trainer)
+    special = SPECIAL_TOKENS[1:] + list(extra_special)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS[1:],
+        additional_special_tokens=special,
     )
-    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
 
-def _token_ids(tokenizer: object) -> dict[str, int]:
+def _token_ids(tokenizer: object, extra_special: list[str] = ()) -> dict[str, int]:  # type: ignore[assignment]
     convert = tokenizer.convert_tokens_to_ids  # type: ignore[attr-defined]
-    ids = {token: int(convert(token)) for token in SPECIAL_TOKENS}
+    ids = {token: int(convert(token)) for token in [*SPECIAL_TOKENS, *extra_special]}
     if max(ids.values()) >= PADDED_VOCAB:
         raise AssertionError(f"special token ids {ids} exceed the vocabulary {PADDED_VOCAB}")
     return ids
@@ -159,6 +176,69 @@ def build_vl_model(path: Path) -> Path:
         tokenizer=tokenizer,
         video_processor=video_processor,
         chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(path)
+    return path
+
+
+def build_audio_model(path: Path) -> Path:
+    """A tiny Qwen2-Audio, its tokenizer and its processor in ``path``; returns ``path``."""
+    from safetensors.torch import save_file
+    from transformers import (
+        Qwen2AudioConfig,
+        Qwen2AudioForConditionalGeneration,
+        Qwen2AudioProcessor,
+        WhisperFeatureExtractor,
+    )
+
+    tokenizer = _tokenizer(AUDIO_TOKENS)
+    tokenizer.chat_template = AUDIO_CHAT_TEMPLATE  # type: ignore[attr-defined]
+    ids = _token_ids(tokenizer, AUDIO_TOKENS)
+    config = Qwen2AudioConfig(
+        # transformers' Qwen2-Audio keeps an lm_head of its own: untied, as it loads.
+        text_config={
+            **_text_config_kwargs(ids),
+            "model_type": "qwen2",
+            "tie_word_embeddings": False,
+        },
+        audio_config={
+            "num_mel_bins": 128,
+            "encoder_layers": 2,
+            "encoder_attention_heads": 2,
+            "encoder_ffn_dim": 128,
+            "d_model": 64,
+            "max_source_positions": 1500,  # 30 s of mel frames, halved by the encoder
+        },
+        audio_token_index=ids[AUDIO_PAD],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = Qwen2AudioForConditionalGeneration(config)
+    model.save_pretrained(path)
+    # NOTE: transformers 5.19 saves this model's language model as
+    # "language_model.model.model.*" (it applies two of its renamings backwards),
+    # which vLLM cannot load: write the weights under the names of Qwen's
+    # published checkpoints instead.
+    renames = {
+        "lm_head.": "language_model.lm_head.",
+        "model.language_model.": "language_model.model.",
+        "model.audio_tower.": "audio_tower.",
+        "model.multi_modal_projector.": "multi_modal_projector.",
+    }
+    weights = {}
+    for name, tensor in model.state_dict().items():
+        (prefix,) = [prefix for prefix in renames if name.startswith(prefix)]
+        weights[renames[prefix] + name[len(prefix) :]] = tensor.contiguous()
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    # Whisper's front end at 16 kHz: 100 mel frames a second, padded to 30 s;
+    # the encoder makes one audio token of every 4 frames (25 a second).
+    feature_extractor = WhisperFeatureExtractor(
+        feature_size=128, sampling_rate=AUDIO_SAMPLE_RATE, return_attention_mask=True
+    )
+    processor = Qwen2AudioProcessor(
+        feature_extractor=feature_extractor,
+        tokenizer=tokenizer,
+        chat_template=AUDIO_CHAT_TEMPLATE,
     )
     processor.save_pretrained(path)
     return path
