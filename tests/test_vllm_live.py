@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from hashing import hash_image
+from hashing import hash_audio, hash_image
 from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
 from omnicache.block_hash import BlockHash, BlockHasher, block_hash_low64
 
@@ -77,7 +77,14 @@ def _live_engine_required() -> None:
 
 
 if LIVE_MISSING is None:
-    from live_models import IMAGE_PAD, build_text_model, build_vl_model
+    from live_models import (
+        AUDIO_PAD,
+        AUDIO_SAMPLE_RATE,
+        IMAGE_PAD,
+        build_audio_model,
+        build_text_model,
+        build_vl_model,
+    )
     from vllm import LLM, SamplingParams
 
     from omnicache.integrations.vllm import multi_modal_uuids
@@ -542,6 +549,103 @@ def test_frontend_plugin_fills_in_omnicache_digests(models: dict[str, Path]) -> 
     annotation = TokenRangeAnnotation(offset, length, hash_image(picture(1)), 0, length)
     expected = full_block_keys(models["vl"], found["computed"], [annotation])
     assert found["keys"] == sorted(key.hex() for key in expected)
+
+
+# -- audio ------------------------------------------------------------------------------
+
+AUDIO_SECONDS = 2  # 200 mel frames, 4 to an audio token: 50 audio tokens
+# Text enough for more than one block before the audio.
+AUDIO_PREAMBLE = "Images, audio and video enter the model as embeddings between text tokens. " * 3
+
+
+def sound(seed: int) -> Any:
+    """A new mono float32 waveform each call; the same seed gives the same samples."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    num_samples = AUDIO_SECONDS * AUDIO_SAMPLE_RATE
+    return rng.uniform(-0.5, 0.5, size=num_samples).astype(np.float32)
+
+
+def audio_prompt(waveform: Any, cache_salt: str | None = None) -> dict[str, Any]:
+    # At the feature extractor's own rate: vLLM resamples nothing.
+    mm_data = {"audio": (waveform, AUDIO_SAMPLE_RATE)}
+    prompt: dict[str, Any] = {
+        "prompt": (
+            f"<|im_start|>user\n{AUDIO_PREAMBLE}<|audio_bos|>{AUDIO_PAD}<|audio_eos|>"
+            "What is it?<|im_end|>\n<|im_start|>assistant\n"
+        ),
+        "multi_modal_data": mm_data,
+        "multi_modal_uuids": multi_modal_uuids(mm_data),
+    }
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    return prompt
+
+
+@pytest.fixture(scope="module")
+def audio_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_audio_model(tmp_path_factory.mktemp("live-models") / "qwen2-audio-tiny")
+
+
+@pytest.fixture(scope="module")
+def audio_llm(audio_model: Path, in_process: None) -> Iterator[Any]:
+    llm = LLM(**engine_args(audio_model, scheduler_cls=SCHEDULER, limit_mm_per_prompt={"audio": 1}))
+    yield llm
+    shut(llm)
+
+
+def audio_span(llm: Any, output: Any) -> tuple[int, int]:
+    """Offset and length of the audio's placeholder tokens in the prompt."""
+    pad = llm.get_tokenizer().convert_tokens_to_ids(AUDIO_PAD)
+    ids = list(output.prompt_token_ids)
+    offset = ids.index(pad)
+    length = ids.count(pad)
+    assert ids[offset : offset + length] == [pad] * length
+    return offset, length
+
+
+def test_audio_hits_as_prefix_caching_does_with_omnicache_digests(
+    audio_llm: Any, audio_model: Path
+) -> None:
+    a_first = run_one(audio_llm, audio_prompt(sound(1)))
+    offset, length = audio_span(audio_llm, a_first)
+    num_tokens = len(a_first.prompt_token_ids)
+    assert length == 50
+    assert offset >= BLOCK_SIZE
+    full = (num_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE  # vLLM's cap: never the last token
+    before_audio = offset // BLOCK_SIZE * BLOCK_SIZE
+    assert before_audio < full
+    a_again = run_one(audio_llm, audio_prompt(sound(1)))  # a new array, same samples
+    b_first = run_one(audio_llm, audio_prompt(sound(2)))
+    b_again = run_one(audio_llm, audio_prompt(sound(2)))
+    a_salted = run_one(audio_llm, audio_prompt(sound(1), cache_salt="tenant-b"))
+    a_salted_again = run_one(audio_llm, audio_prompt(sound(1), cache_salt="tenant-b"))
+    hits = [
+        output.num_cached_tokens
+        for output in (a_first, a_again, b_first, b_again, a_salted, a_salted_again)
+    ]
+    assert hits == [0, full, before_audio, full, 0, full]
+    assert a_again.outputs[0].token_ids == a_first.outputs[0].token_ids
+    assert b_again.outputs[0].token_ids == b_first.outputs[0].token_ids
+    assert a_salted.outputs[0].token_ids == a_first.outputs[0].token_ids
+
+    # The engine's keys are omnicache's over the tokens and the clip's content
+    # digest. Qwen2-Audio's placeholder is the run of audio tokens alone (its
+    # bos and eos tokens lie outside it) and every one of them receives an
+    # embedding (no is_embed): the annotation covers the whole range.
+    def keys(output: Any, seed: int, cache_salt: str | None = None) -> set[bytes]:
+        digest = hash_audio(sound(seed), AUDIO_SAMPLE_RATE)
+        annotation = TokenRangeAnnotation(offset, length, digest, 0, length)
+        return {
+            bytes(key)
+            for key in full_block_keys(
+                audio_model, computed_tokens(output), [annotation], cache_salt
+            )
+        }
+
+    expected = keys(a_first, 1) | keys(b_first, 2) | keys(a_salted, 1, "tenant-b")
+    assert cached_keys(audio_llm) == expected
 
 
 def test_options_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
