@@ -1,12 +1,15 @@
 """Tiny models for a live vLLM engine, built here with random weights: nothing is downloaded.
 
 `build_text_model` makes a Qwen2 causal LM (hidden 128, 2 layers, 4 heads, 2
-KV heads) and `build_vl_model` a Qwen2-VL with a 2-layer, 64-wide vision tower
-(patch 14, spatial merge 2); both share a byte-level BPE tokenizer trained
-here on a few sentences (512 ids, then the special tokens Qwen's chat template
-and image placeholders use), wrapped as a ``PreTrainedTokenizerFast`` with a
-chat template. Each is a directory of a few MB that vLLM serves as a model.
-Weights come from a fixed seed, so a directory built twice is the same model.
+KV heads), `build_vl_model` a Qwen2-VL with a 2-layer, 64-wide vision tower
+(patch 14, spatial merge 2) and `build_audio_model` a Qwen2-Audio with a
+2-layer, 64-wide Whisper-style audio encoder (128 mel bins at 16 kHz, 25 audio
+tokens a second); all share a byte-level BPE tokenizer trained here on a few
+sentences (at most 512 learned ids, then the special tokens Qwen's chat
+template and image placeholders use; the audio model adds Qwen2-Audio's three
+audio tokens), wrapped as a ``PreTrainedTokenizerFast`` with a chat template.
+Each is a directory of a few MB that vLLM serves as a model. Weights come from
+a fixed seed, so a directory built twice is the same model.
 """
 
 from __future__ import annotations

