@@ -451,7 +451,7 @@ def test_images_hit_as_prefix_caching_does_with_omnicache_digests(
     assert cached_keys(vl_llm) == expected
 
 
-# vLLM's own keys, in a fresh process (in-process engines run one at a time): an
+# vLLM's own keys, in a fresh interpreter (this module's engines stay as they are): an
 # image sent with another image's digest as its uuid.
 VLLM_IDS_CHILD = """
 import json, sys
