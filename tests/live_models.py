@@ -116,12 +116,24 @@ def _text_config_kwargs(ids: dict[str, int]) -> dict[str, object]:
     }
 
 
-def build_text_model(path: Path) -> Path:
-    """A tiny Qwen2 causal LM and its tokenizer in ``path``; returns ``path``."""
+def build_text_model(path: Path, *, hidden_size: int = 128) -> Path:
+    """A tiny Qwen2 causal LM and its tokenizer in ``path``; returns ``path``.
+
+    ``hidden_size`` widens it (heads of 32 values, the MLP twice as wide):
+    a tiny-but-wide model whose steps move rows as wide as a real model's.
+    """
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = _tokenizer()
-    config = Qwen2Config(**_text_config_kwargs(_token_ids(tokenizer)))
+    kwargs = _text_config_kwargs(_token_ids(tokenizer))
+    if hidden_size != 128:
+        kwargs.update(
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_attention_heads=hidden_size // 32,
+            num_key_value_heads=2,
+        )
+    config = Qwen2Config(**kwargs)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     model.save_pretrained(path)

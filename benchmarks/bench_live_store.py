@@ -1,0 +1,186 @@
+"""What keeping hidden states costs a live vLLM 0.32 engine: capture + store per step.
+
+A tiny-but-wide random-weight Qwen2 (``--hidden``, default 1024; 2 layers,
+float32, blocks of 32; the live tests' model builder) serves two workloads in
+vLLM's in-process mode, where the worker is an object of this process:
+
+- prefill-heavy: ``--prefill-requests`` distinct prompts of 480 tokens, one
+  new token each (then the same prompts again, asking for their prompt's
+  hidden states: the hits' rows come from the store);
+- decode-heavy: 4 prompts of 64 tokens, ``--decode-tokens`` new tokens each.
+
+Rows, one engine each: vLLM's own prefix caching (the baseline); omnicache's
+keys (``scheduler_cls`` only); omnicache's keys and the store (plus
+`OmniCPUWorker` and `OmniStoreConnector`, every step's rows written at their
+slots). Columns: the engine core's step time (median over the workload's
+steps), the worker's store work per step (`LiveStore.apply`: clears, row
+writes, hit checks, prompt results) and its share of the step. Medians over
+``--repeats`` passes; the modes take turns, each pass on a fresh engine
+after a warm-up workload of its own.
+
+Run with the live engine's environment (``./dev live`` prepares ``.venv-live``):
+
+    .venv-live/bin/python benchmarks/bench_live_store.py [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+# The live tests' tiny models.
+from live_models import build_text_model
+
+BLOCK_SIZE = 32
+SCHEDULER = "omnicache.integrations.vllm.plugin.OmniScheduler"
+WORKER = "omnicache.integrations.vllm.worker.OmniCPUWorker"
+CONNECTOR = {
+    "kv_connector": "OmniStoreConnector",
+    "kv_connector_module_path": "omnicache.integrations.vllm.connector",
+    "kv_role": "kv_both",
+}
+MODES = ("vLLM", "omnicache keys", "keys + store")
+WORKLOADS = ("prefill", "decode")
+
+
+class Timed:
+    """Wraps a bound method, adding each call's wall time to a list."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.times: list[float] = []
+        inner = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.times.append(time.perf_counter() - start)
+
+        setattr(owner, name, timed)
+
+
+def prompts(workload: str, args: argparse.Namespace, salt: str) -> list[dict[str, Any]]:
+    if workload == "prefill":
+        count, length = args.prefill_requests, 480
+    else:
+        count, length = 4, 64
+    # Token ids 1..300 are learned tokens; each prompt differs from its first token.
+    return [
+        {
+            "prompt_token_ids": [(i * 37 + j * 7) % 300 + 1 for j in range(length)],
+            "cache_salt": salt,
+        }
+        for i in range(count)
+    ]
+
+
+def engine(mode: str, model: Path) -> Any:
+    from vllm import LLM
+
+    options: dict[str, Any] = {
+        "model": str(model),
+        "block_size": BLOCK_SIZE,
+        "kv_cache_memory_bytes": 32 * 2**20,
+        "max_model_len": 1024,
+        "max_num_seqs": 16,
+        "enable_prefix_caching": True,
+        "enforce_eager": True,
+        "dtype": "float32",
+        "seed": 0,
+    }
+    if mode != "vLLM":
+        options["scheduler_cls"] = SCHEDULER
+    if mode == "keys + store":
+        options["worker_cls"] = WORKER
+        options["kv_transfer_config"] = CONNECTOR
+    return LLM(**options)
+
+
+def run_pass(mode: str, model: Path, args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    from vllm import SamplingParams
+
+    llm = engine(mode, model)
+    core = llm.llm_engine.engine_core.engine_core
+    step = Timed(core, "step_fn")
+    apply: Timed | None = None
+    if mode == "keys + store":
+        apply = Timed(core.model_executor.driver_worker.worker.omni_store, "apply")
+    ask = {"omnicache_prompt_hidden_states": True} if mode == "keys + store" else None
+    results: dict[str, dict[str, float]] = {}
+    for salt in ("warm-up", "measured"):
+        for workload in WORKLOADS:
+            max_tokens = 1 if workload == "prefill" else args.decode_tokens
+            step.times.clear()
+            if apply is not None:
+                apply.times.clear()
+            batch = prompts(workload, args, f"{salt}/{workload}")
+            llm.generate(batch, SamplingParams(max_tokens=max_tokens), use_tqdm=False)
+            if workload == "prefill":
+                # Again, asking for the prompt rows: the hits are read from the store.
+                again = SamplingParams(max_tokens=1, extra_args=ask)
+                outputs = llm.generate(batch, again, use_tqdm=False)
+                if ask is not None:
+                    from omnicache.integrations.vllm.worker import take_prompt_hidden_states
+
+                    states = take_prompt_hidden_states(llm, outputs)
+                    assert all(s is not None and s.shape[0] == 480 for s in states)
+            step_s = statistics.median(step.times)
+            apply_s = statistics.median(apply.times) if apply is not None else 0.0
+            results[workload] = {"step ms": 1e3 * step_s, "store ms": 1e3 * apply_s}
+    llm.llm_engine.engine_core.shutdown()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--prefill-requests", type=int, default=16)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    passes: dict[str, list[dict[str, dict[str, float]]]] = {mode: [] for mode in MODES}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_text_model(Path(tmp) / "qwen2-wide", hidden_size=args.hidden)
+        for _ in range(args.repeats):
+            for mode in MODES:
+                passes[mode].append(run_pass(mode, model, args))
+
+    print(
+        f"\nhidden {args.hidden}, float32; prefill: {args.prefill_requests} x 480 tokens (then "
+        f"again, asking for prompt rows); decode: 4 x 64 tokens + {args.decode_tokens} new; "
+        f"median step, median of {args.repeats} passes"
+    )
+    header = f"{'':<16}" + "".join(
+        f"{w + ' step ms':>20}{'store ms':>10}{'share':>8}{'/ vLLM':>8}" for w in WORKLOADS
+    )
+    print(header)
+    rows = {
+        mode: {
+            w: {k: statistics.median(p[w][k] for p in runs) for k in ("step ms", "store ms")}
+            for w in WORKLOADS
+        }
+        for mode, runs in passes.items()
+    }
+    for mode, row in rows.items():
+        cells = []
+        for w in WORKLOADS:
+            step_ms, store_ms = row[w]["step ms"], row[w]["store ms"]
+            share = f"{100 * store_ms / step_ms:.1f}%" if store_ms else "-"
+            ratio = step_ms / rows["vLLM"][w]["step ms"]
+            cells.append(f"{step_ms:>20.3f}{store_ms:>10.3f}{share:>8}{ratio:>7.3f}x")
+        print(f"{mode:<16}" + "".join(cells))
+
+
+if __name__ == "__main__":
+    main()
