@@ -19,7 +19,7 @@ from omnicache.demo import model as model_module
 from omnicache.demo import plot as plot_module
 from omnicache.demo.cli import EXIT_BAD_INPUT, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, main
 from omnicache.demo.plot import draw_sweep
-from omnicache.demo.wav import read_wav, write_wav
+from omnicache.demo.wav import write_wav
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_TRACE = REPO / "examples" / "traces" / "sample.jsonl"
@@ -145,7 +145,10 @@ def test_a_bad_trace_exits_3_naming_the_line_and_serves_nothing(
     assert main(["replay", str(trace), "--quick"]) == EXIT_BAD_INPUT
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err.startswith(f"omnicache: bad trace: {trace}:3: images[0]: file not found")
+    assert captured.err == (
+        f"omnicache: bad trace: {trace}:3: images[0]: cannot read image "
+        f"{tmp_path / 'missing.png'}: no such file\n"
+    )
     trace.write_text(lines[0] + "\n{not json\n", encoding="utf-8")
     assert main(["replay", str(trace)]) == EXIT_BAD_INPUT
     assert f"{trace}:2: malformed JSON" in capsys.readouterr().err
@@ -240,16 +243,19 @@ def test_hash_prints_content_digests_of_images_and_wav(
     pixels = np.arange(12 * 7 * 3, dtype=np.uint8).reshape(12, 7, 3)
     original = Image.fromarray(pixels, "RGB")
     original.save(tmp_path / "pic.png")
-    write_wav(tmp_path / "tone.wav", np.sin(np.arange(400) / 3.0) * 0.3, 22_050)
-    (tmp_path / "clip.mp3").write_bytes(b"ID3 fake mp3 bytes")
-    files = [tmp_path / "pic.png", tmp_path / "tone.wav", tmp_path / "clip.mp3"]
+    samples = np.sin(np.arange(400) / 3.0) * 0.3
+    write_wav(tmp_path / "tone.wav", samples, 22_050)
+    (tmp_path / "clip.mp4").write_bytes(b"fake mp4 bytes")
+    files = [tmp_path / "pic.png", tmp_path / "tone.wav", tmp_path / "clip.mp4"]
     assert main(["hash", *map(str, files)]) == EXIT_OK
-    waveform, rate = read_wav(tmp_path / "tone.wav")
+    # 16-bit PCM as the server decodes it: float32, 1/32768 a step.
+    ints = np.round(samples * 32767.0).astype(np.int16)
+    waveform = ints.astype(np.float32) / np.float32(32768.0)
     expected = [
         # PNG is lossless: the file's digest is the in-memory image's.
         (hash_image(original).hex(), "image", files[0]),
-        (hash_audio(waveform, rate).hex(), "audio", files[1]),
-        (hash_bytes(b"ID3 fake mp3 bytes", modality="audio").hex(), "audio-bytes", files[2]),
+        (hash_audio(waveform, 22_050).hex(), "audio", files[1]),
+        (hash_bytes(b"fake mp4 bytes", modality="video").hex(), "video-bytes", files[2]),
     ]
     lines = capsys.readouterr().out.splitlines()
     assert [line.split() for line in lines] == [[h, k, str(p)] for h, k, p in expected]
@@ -270,9 +276,9 @@ def test_hash_reports_unknown_and_missing_files_and_exits_3(
     ]
     assert main(argv) == EXIT_BAD_INPUT
     captured = capsys.readouterr()
-    # The good file is still hashed.
+    # The good file is still hashed, as the RGB picture the server makes of it.
     assert captured.out.split() == [
-        hash_image(Image.open(tmp_path / "ok.png")).hex(),
+        hash_image(Image.new("RGB", (4, 4), (7, 7, 7))).hex(),
         "image",
         str(tmp_path / "ok.png"),
     ]
