@@ -201,8 +201,8 @@ def load_image(
     try:
         return _to_rgb(image, rules)
     except Exception as exc:
-        raise MediaError(path, f"expected a mode with an RGB conversion, found {image.mode} "
-                               f"({_why(exc)})") from None  # fmt: skip
+        reason = f"expected a mode with an RGB conversion, found {image.mode} ({_why(exc)})"
+        raise MediaError(path, reason) from None
 
 
 def _bomb(exc: Image.DecompressionBombError, rules: MediaRules) -> str:
@@ -233,8 +233,8 @@ def _to_rgb(image: Image.Image, rules: MediaRules) -> Image.Image:
     if image.mode in ("RGBA", "LA", "PA") or has_key:
         rgba = image if image.mode == "RGBA" else image.convert("RGBA")
         flat = Image.new("RGB", rgba.size, rules.background)
-        # NOTE: paste through the alpha mask, as vLLM does: alpha_composite
-        # rounds differently, and a pixel off by one is another digest.
+        # NOTE: the compositing vLLM does (a paste through the alpha mask),
+        # so that every pixel rounds the same: one off is another digest.
         flat.paste(rgba, mask=rgba.getchannel("A"))
         return flat
     return image.convert("RGB")
