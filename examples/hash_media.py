@@ -1,16 +1,24 @@
-"""Hash synthetic images, audio, video and ids, and print their digests.
+"""Hash synthetic images, audio, video and ids, and the sample trace's files; print the digests.
 
     python examples/hash_media.py
 
 Every digest printed here is the same on every machine and in every process.
+Files are opened with `omnicache.media`, as vLLM's OpenAI server opens an
+upload, so their digests are the ones omnicache's front end computes in the
+server for the same files (and ``omnicache hash FILE`` prints).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 from hashing import ALGORITHMS, hash_audio, hash_identifier, hash_image, hash_video
+from omnicache.media import image_extensions, load_audio, load_image
+
+MEDIA = Path(__file__).resolve().parent / "traces" / "media"
 
 
 def main() -> None:
@@ -37,6 +45,13 @@ def main() -> None:
         ("caller id 'img-42' (tenant-b)", lambda a: hash_identifier(
             "img-42", namespace="tenant-b", algorithm=a)),
     ]  # fmt: skip
+    for path in sorted(MEDIA.iterdir()):
+        if path.suffix in image_extensions():
+            upload = load_image(path)  # upright, RGB over white, as the server has it
+            items.append((f"file {path.name}", lambda a, i=upload: hash_image(i, algorithm=a)))
+        else:
+            decoded = load_audio(path)  # float32 mono at the file's own rate
+            items.append((f"file {path.name}", lambda a, c=decoded: hash_audio(*c, algorithm=a)))
     width = max(len(name) for name, _ in items)
     for algorithm in ALGORITHMS:
         print(f"== {algorithm}")

@@ -12,6 +12,19 @@ import numpy as np
 import pytest
 import torch
 from matplotlib.figure import Figure
+from media_files import (
+    bomb_png,
+    jpeg_with_orientation,
+    long_wav,
+    noise,
+    palette_image,
+    rgb_with_trns,
+    save,
+    tone,
+    truncated,
+    wav_declaring,
+    write_audio,
+)
 from PIL import Image
 
 from hashing import hash_audio, hash_bytes, hash_image
@@ -19,7 +32,7 @@ from omnicache.demo import model as model_module
 from omnicache.demo import plot as plot_module
 from omnicache.demo.cli import EXIT_BAD_INPUT, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, main
 from omnicache.demo.plot import draw_sweep
-from omnicache.demo.wav import read_wav, write_wav
+from omnicache.demo.wav import write_wav
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_TRACE = REPO / "examples" / "traces" / "sample.jsonl"
@@ -145,7 +158,10 @@ def test_a_bad_trace_exits_3_naming_the_line_and_serves_nothing(
     assert main(["replay", str(trace), "--quick"]) == EXIT_BAD_INPUT
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err.startswith(f"omnicache: bad trace: {trace}:3: images[0]: file not found")
+    assert captured.err == (
+        f"omnicache: bad trace: {trace}:3: images[0]: cannot read image "
+        f"{tmp_path / 'missing.png'}: no such file\n"
+    )
     trace.write_text(lines[0] + "\n{not json\n", encoding="utf-8")
     assert main(["replay", str(trace)]) == EXIT_BAD_INPUT
     assert f"{trace}:2: malformed JSON" in capsys.readouterr().err
@@ -240,16 +256,19 @@ def test_hash_prints_content_digests_of_images_and_wav(
     pixels = np.arange(12 * 7 * 3, dtype=np.uint8).reshape(12, 7, 3)
     original = Image.fromarray(pixels, "RGB")
     original.save(tmp_path / "pic.png")
-    write_wav(tmp_path / "tone.wav", np.sin(np.arange(400) / 3.0) * 0.3, 22_050)
-    (tmp_path / "clip.mp3").write_bytes(b"ID3 fake mp3 bytes")
-    files = [tmp_path / "pic.png", tmp_path / "tone.wav", tmp_path / "clip.mp3"]
+    samples = np.sin(np.arange(400) / 3.0) * 0.3
+    write_wav(tmp_path / "tone.wav", samples, 22_050)
+    (tmp_path / "clip.mp4").write_bytes(b"fake mp4 bytes")
+    files = [tmp_path / "pic.png", tmp_path / "tone.wav", tmp_path / "clip.mp4"]
     assert main(["hash", *map(str, files)]) == EXIT_OK
-    waveform, rate = read_wav(tmp_path / "tone.wav")
+    # 16-bit PCM as the server decodes it: float32, 1/32768 a step.
+    ints = np.round(samples * 32767.0).astype(np.int16)
+    waveform = ints.astype(np.float32) / np.float32(32768.0)
     expected = [
         # PNG is lossless: the file's digest is the in-memory image's.
         (hash_image(original).hex(), "image", files[0]),
-        (hash_audio(waveform, rate).hex(), "audio", files[1]),
-        (hash_bytes(b"ID3 fake mp3 bytes", modality="audio").hex(), "audio-bytes", files[2]),
+        (hash_audio(waveform, 22_050).hex(), "audio", files[1]),
+        (hash_bytes(b"fake mp4 bytes", modality="video").hex(), "video-bytes", files[2]),
     ]
     lines = capsys.readouterr().out.splitlines()
     assert [line.split() for line in lines] == [[h, k, str(p)] for h, k, p in expected]
@@ -270,9 +289,9 @@ def test_hash_reports_unknown_and_missing_files_and_exits_3(
     ]
     assert main(argv) == EXIT_BAD_INPUT
     captured = capsys.readouterr()
-    # The good file is still hashed.
+    # The good file is still hashed, as the RGB picture the server makes of it.
     assert captured.out.split() == [
-        hash_image(Image.open(tmp_path / "ok.png")).hex(),
+        hash_image(Image.new("RGB", (4, 4), (7, 7, 7))).hex(),
         "image",
         str(tmp_path / "ok.png"),
     ]
@@ -293,3 +312,124 @@ def test_python_dash_m_runs_the_quick_demo() -> None:
     assert _row(result.stdout, "requests") == "6"
     assert _row(result.stdout, "mismatches") == "0"
     assert result.stderr == ""
+
+
+# -- files opened as the server opens uploads, through a real subprocess -----------------
+
+
+def _omnicache(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "omnicache", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=REPO,
+    )
+
+
+def test_hash_prints_the_digest_of_what_the_server_makes_of_each_file(tmp_path: Path) -> None:
+    plain = save(noise(1), tmp_path / "plain.png")
+    turned = jpeg_with_orientation(tmp_path / "turned.jpg", noise(2), 6)
+    rgb = np.asarray(noise(3))
+    alpha = np.where(np.arange(48)[None, :] % 2 == 0, 0, 255).repeat(32, axis=0).astype(np.uint8)
+    cut_out = save(Image.fromarray(np.dstack([rgb, alpha]), "RGBA"), tmp_path / "cut-out.png")
+    palette = palette_image(4)
+    indexed = save(palette, tmp_path / "indexed.png")
+    samples = tone(500, 2, seed=5).astype(np.float32)
+    float_wav = write_audio(tmp_path / "float.wav", samples, 24_000, "FLOAT")
+
+    result = _omnicache("hash", *map(str, [plain, turned, cut_out, indexed, float_wav]))
+
+    with Image.open(turned) as stored:
+        upright = stored.convert("RGB").transpose(Image.Transpose.ROTATE_270)
+    flattened = np.where(alpha[..., None] == 0, np.uint8(255), rgb)
+    mono = (samples[:, 0] + samples[:, 1]) / np.float32(2)
+    expected = [
+        (hash_image(noise(1)), "image", plain),
+        # EXIF orientation 6: the picture turned upright, as the model sees it.
+        (hash_image(upright), "image", turned),
+        (hash_image(Image.fromarray(flattened, "RGB")), "image", cut_out),
+        (hash_image(palette.convert("RGB")), "image", indexed),
+        (hash_audio(mono, 24_000), "audio", float_wav),
+    ]
+    assert (result.returncode, result.stderr) == (EXIT_OK, "")
+    assert result.stdout == "".join(f"{d.hex()}  {k:<11}  {p}\n" for d, k, p in expected)
+    with Image.open(turned) as stored:
+        as_stored = hash_image(stored.convert("RGB")).hex()
+    assert as_stored not in result.stdout
+
+
+def test_every_bad_file_is_one_line_naming_it_and_exit_3(tmp_path: Path) -> None:
+    good = save(noise(6), tmp_path / "good.png")
+    bomb = bomb_png(tmp_path / "bomb.png")
+    half = truncated(tmp_path / "half.png", save(noise(7), tmp_path / "whole.png"))
+    garbage = tmp_path / "garbage.jpg"
+    garbage.write_bytes(b"not a picture")
+    cut = wav_declaring(tmp_path / "cut.wav", 8, 1_600, 16_000)
+    long = long_wav(tmp_path / "long.wav", 601)
+    absent = tmp_path / "absent.wav"
+    files = [bomb, half, good, garbage, cut, long, absent]
+
+    result = _omnicache("hash", *map(str, files))
+
+    assert result.returncode == EXIT_BAD_INPUT
+    assert result.stdout == f"{hash_image(noise(6)).hex()}  image        {good}\n"
+    assert result.stderr.splitlines() == [
+        f"omnicache hash: {bomb}: expected at most 178,956,970 pixels, found 900,000,000 "
+        "(a decompression bomb?)",
+        f"omnicache hash: {half}: cannot decode the image: image file is truncated",
+        f"omnicache hash: {garbage}: expected an image in a format the server accepts (PNG, "
+        "JPEG, WEBP, GIF and 33 more), found none that Pillow identifies (another format, or "
+        "a corrupt file)",
+        f"omnicache hash: {cut}: data chunk: expected 3,200 bytes (1,600 frames) as the header "
+        "declares, found 16 (8 frames)",
+        f"omnicache hash: {long}: expected at most 600 s of audio, found 601.0 s (601,000 "
+        "frames at 1,000 Hz)",
+        f"omnicache hash: {absent}: no such file",
+    ]
+
+
+def test_hash_takes_the_servers_pixel_limit_and_series(tmp_path: Path) -> None:
+    small = save(noise(8), tmp_path / "small.png")  # 48 x 32 = 1,536 pixels
+    result = _omnicache("hash", "--max-image-pixels", "1535", str(small))
+    assert (result.returncode, result.stdout) == (EXIT_BAD_INPUT, "")
+    assert result.stderr == (
+        f"omnicache hash: {small}: expected at most 1,535 pixels, found 48x32 (1,536)\n"
+    )
+    result = _omnicache("hash", "--max-image-pixels", "0", str(small))
+    assert (result.returncode, result.stdout) == (EXIT_USAGE, "")
+    assert result.stderr.endswith(
+        "omnicache hash: error: argument --max-image-pixels: expected int >= 1, found 0\n"
+    )
+
+    keyed = rgb_with_trns(tmp_path / "keyed.png", 9)
+    digests = {}
+    for series in ("0.32", "0.33"):
+        result = _omnicache("hash", "--vllm", series, str(keyed))
+        assert (result.returncode, result.stderr) == (EXIT_OK, "")
+        digests[series] = result.stdout.split()[0]
+    with Image.open(keyed) as stored:
+        stored.load()
+        colour = stored.info["transparency"]
+        stored_pixels = np.asarray(stored)
+        # 0.32 leaves the image as stored, its tRNS colour (part of the digest) included.
+        as_stored = hash_image(stored).hex()
+    keyed_pixels = (stored_pixels == np.array(colour, np.uint8)).all(axis=-1)
+    composited = np.where(keyed_pixels[..., None], np.uint8(255), stored_pixels)
+    assert digests == {
+        "0.32": as_stored,
+        "0.33": hash_image(Image.fromarray(composited, "RGB")).hex(),
+    }
+
+
+def test_replay_reports_a_bomb_in_a_trace_in_one_line_and_exits_3(tmp_path: Path) -> None:
+    bomb = bomb_png(tmp_path / "bomb.png")
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(json.dumps({"text": "<image> what?", "images": ["bomb.png"]}) + "\n")
+    result = _omnicache("replay", "--quick", str(trace))
+    assert (result.returncode, result.stdout) == (EXIT_BAD_INPUT, "")
+    assert result.stderr == (
+        f"omnicache: bad trace: {trace}:1: images[0]: cannot read image {bomb}: expected at "
+        "most 178,956,970 pixels, found 900,000,000 (a decompression bomb?)\n"
+    )

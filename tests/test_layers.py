@@ -16,6 +16,8 @@ LAYERS = [
     ["hashing"],
     # Argument checks: imports nothing of the project.
     ["omnicache.checks"],
+    # Media files opened as vLLM's server opens uploads: imports nothing of the project.
+    ["omnicache.media"],
     ["omnicache.annotations"],
     ["omnicache.preprocess"],
     ["omnicache.block_hash"],
@@ -76,7 +78,7 @@ def test_nothing_below_the_store_imports_torch() -> None:
         "import sys\n"
         "import hashing, omnicache\n"
         "import omnicache.annotations, omnicache.preprocess, omnicache.block_hash\n"
-        "import omnicache.block_pool, omnicache.prefix_cache\n"
+        "import omnicache.block_pool, omnicache.prefix_cache, omnicache.media\n"
         "print('torch' in sys.modules)\n"
     )
     result = subprocess.run(

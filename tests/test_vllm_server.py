@@ -30,8 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from PIL import Image
 from test_vllm_live import (
     BLOCK_SIZE,
+    IMAGE_SIDE,
     LIVE_MISSING,
     LIVE_REQUIRED,
     PREAMBLE,
@@ -42,7 +44,7 @@ from test_vllm_live import (
     picture,
 )
 
-from hashing import hash_identifier, hash_image
+from hashing import ContentHash, hash_audio, hash_identifier, hash_image
 from omnicache.annotations import TokenRangeAnnotation
 from omnicache.block_hash import block_hash_low64
 from omnicache.integrations.vllm import UUID_NAMESPACE
@@ -281,13 +283,18 @@ def image_offset(ids: list[int], model: Path) -> int:
 def prompt_keys(model: Path, body: dict[str, Any], seed: int | str, uuid: str | None) -> list[Any]:
     """omnicache's keys of the full blocks a completed request computed."""
     assert isinstance(seed, int)
-    ids = list(body["prompt_token_ids"])
-    computed = ids + list(body["choices"][0]["token_ids"][:-1])
-    offset = image_offset(ids, model)
     if uuid is None:
         digest = hash_image(picture(seed))
     else:
         digest = hash_identifier(uuid, namespace=f"{UUID_NAMESPACE}/image")
+    return digest_keys(model, body, digest)
+
+
+def digest_keys(model: Path, body: dict[str, Any], digest: ContentHash) -> list[Any]:
+    """omnicache's keys of a completed request's full blocks, its image identified by ``digest``."""
+    ids = list(body["prompt_token_ids"])
+    computed = ids + list(body["choices"][0]["token_ids"][:-1])
+    offset = image_offset(ids, model)
     annotation = TokenRangeAnnotation(offset, IMAGE_TOKENS, digest, 0, IMAGE_TOKENS)
     return full_block_keys(model, computed, [annotation])
 
@@ -364,3 +371,110 @@ def test_server_blocks_are_keyed_by_omnicache_digests(served: dict[str, Any]) ->
     # Keyed over the image's digest (computed by the server's front end from
     # the decoded PNG), or over a client's own uuid hashed apart from digests.
     assert served["events"] == expected
+
+
+# -- files: the digest `omnicache hash FILE` prints is the server's ----------------------
+
+
+def cli_digest(path: Path) -> ContentHash:
+    """The digest the ``omnicache hash`` command prints for ``path`` (a real subprocess)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "omnicache", "hash", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr
+    digest, _kind, name = result.stdout.split()
+    assert name == str(path)
+    return ContentHash(bytes.fromhex(digest))
+
+
+def file_url(path: Path, mime: str) -> str:
+    return f"data:{mime};base64," + base64.b64encode(path.read_bytes()).decode("ascii")
+
+
+def upload_files(folder: Path) -> dict[str, tuple[Path, str]]:
+    """Pictures of the server's size, each new to it, in the forms the loader treats apart."""
+    import numpy as np
+    from media_files import jpeg_with_orientation
+
+    files: dict[str, tuple[Path, str]] = {}
+    files["png"] = (folder / "plain.png", "image/png")
+    picture(3).save(files["png"][0])
+    # EXIF orientation 6: stored on its side, shown (and modelled) turned 90 degrees clockwise.
+    files["jpeg-exif-6"] = (folder / "turned.jpg", "image/jpeg")
+    jpeg_with_orientation(files["jpeg-exif-6"][0], picture(4), 6)
+    files["rgba-png"] = (folder / "cut-out.png", "image/png")
+    alpha = np.random.default_rng(5).integers(0, 256, (IMAGE_SIDE, IMAGE_SIDE), dtype=np.uint8)
+    rgba = picture(5).copy()
+    rgba.putalpha(Image.fromarray(alpha, "L"))
+    rgba.save(files["rgba-png"][0])
+    files["palette-png"] = (folder / "indexed.png", "image/png")
+    picture(6).quantize(colors=64).save(files["palette-png"][0])
+    return files
+
+
+def test_omnicache_hash_prints_the_digest_the_server_keys_an_upload_by(
+    server: Server, vl_model: Path, tmp_path: Path
+) -> None:
+    files = upload_files(tmp_path)
+    digests = {name: cli_digest(path) for name, (path, _mime) in files.items()}
+    assert len(set(digests.values())) == len(files)
+    before = set(server.events.stored)
+    first_event = len(server.events.stored)
+    bodies: dict[str, dict[str, Any]] = {}
+    for name, (path, mime) in files.items():
+        status, body = server.chat(chat_body(file_url(path, mime)))
+        assert status == 200, (name, body)
+        bodies[name] = body
+    expected = {
+        block_hash_low64(key)
+        for name in files
+        for key in digest_keys(vl_model, bodies[name], digests[name])
+    }
+    server.events.wait_for(expected, timeout=10.0)
+    # Every block the engine stored for these uploads is keyed by the digest
+    # the command printed, and no other block was stored.
+    assert set(server.events.stored[first_event:]) == expected - before
+
+    # The JPEG as stored (its EXIF orientation ignored) is another picture:
+    # none of the keys over its image was stored.
+    path = files["jpeg-exif-6"][0]
+    with Image.open(path) as stored:
+        sideways = hash_image(stored.convert("RGB"))
+    assert sideways != digests["jpeg-exif-6"]
+    body = bodies["jpeg-exif-6"]
+    upright_keys = set(digest_keys(vl_model, body, digests["jpeg-exif-6"]))
+    sideways_keys = {
+        block_hash_low64(key)
+        for key in digest_keys(vl_model, body, sideways)
+        if key not in upright_keys
+    }
+    assert sideways_keys
+    assert not sideways_keys & set(server.events.stored)
+
+
+def test_omnicache_hash_prints_the_digest_of_what_vllms_audio_loader_returns(
+    tmp_path: Path,
+) -> None:
+    """A WAV's digest from the command equals the one of vLLM's own decode of it.
+
+    The server's model (Qwen2-VL) takes no audio, so no request carries the
+    clip: the engine's path is ``AudioMediaIO().load_bytes(data)``, the very
+    function the server runs on an audio upload, called here in the live
+    environment; omnicache's front end digests what it returns with
+    `hashing.hash_audio`.
+    """
+    from media_files import tone, write_audio
+    from vllm.multimodal.media.audio import AudioMediaIO
+
+    clips = [
+        write_audio(tmp_path / "pcm16-stereo.wav", tone(4_000, 2, seed=1), 16_000, "PCM_16"),
+        write_audio(tmp_path / "float-mono.wav", tone(3_000, 1, seed=2), 22_050, "FLOAT"),
+        write_audio(tmp_path / "pcm24-3ch.wav", tone(2_000, 3, seed=3), 48_000, "PCM_24"),
+    ]
+    for path in clips:
+        waveform, sample_rate = AudioMediaIO().load_bytes(path.read_bytes())
+        assert cli_digest(path) == hash_audio(waveform, sample_rate), path.name

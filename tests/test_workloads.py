@@ -1,9 +1,8 @@
-"""Synthetic traces, WAV reading and writing, and the JSONL trace reader with its errors."""
+"""Synthetic traces and the JSONL trace reader with its errors (media: test_media.py)."""
 
 from __future__ import annotations
 
 import json
-import wave
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 from PIL import Image
 
 from hashing import hash_audio, hash_image
-from omnicache.demo.wav import read_wav, write_wav
+from omnicache.demo.wav import write_wav
 from omnicache.demo.workloads import (
     SYSTEM_PROMPT,
     AudioItem,
@@ -146,55 +145,6 @@ def test_bad_synthetic_config_types_are_type_errors(
     assert (type(caught.value), str(caught.value)) == (TypeError, message)
 
 
-# -- WAV ------------------------------------------------------------------------
-
-
-def test_wav_round_trip_mono_and_stereo(tmp_path: Path) -> None:
-    mono = np.array([0.0, 0.5, -0.5, 1.0, -1.0], np.float32)
-    write_wav(tmp_path / "mono.wav", mono, 8_000)
-    waveform, rate = read_wav(tmp_path / "mono.wav")
-    assert rate == 8_000
-    assert waveform.dtype == np.float32
-    expected = np.array([0, 16384, -16384, 32767, -32767], np.float32) / 32768.0
-    np.testing.assert_array_equal(waveform, expected)
-
-    stereo = np.stack([mono, -mono])
-    write_wav(tmp_path / "stereo.wav", stereo, 44_100)
-    waveform, rate = read_wav(tmp_path / "stereo.wav")
-    assert (rate, waveform.shape) == (44_100, (2, 5))
-    np.testing.assert_array_equal(waveform, np.stack([expected, -expected]))
-
-
-@pytest.mark.parametrize(
-    ("width", "raw", "expected"),
-    [
-        (1, bytes([128, 255, 0]), [0.0, 127 / 128, -1.0]),
-        (3, b"\x00\x00\x40" + b"\xff\xff\xff", [0.5, -1 / 2**23]),
-        (4, (2**30).to_bytes(4, "little") + (-(2**31)).to_bytes(4, "little", signed=True),
-         [0.5, -1.0]),
-    ],
-)  # fmt: skip
-def test_read_wav_decodes_8_24_and_32_bit_pcm(
-    tmp_path: Path, width: int, raw: bytes, expected: list[float]
-) -> None:
-    path = tmp_path / "x.wav"
-    with wave.open(str(path), "wb") as wav:
-        wav.setnchannels(1)
-        wav.setsampwidth(width)
-        wav.setframerate(16_000)
-        wav.writeframes(raw)
-    waveform, rate = read_wav(path)
-    assert rate == 16_000
-    np.testing.assert_array_equal(waveform, np.array(expected, np.float32))
-
-
-def test_read_wav_rejects_a_file_that_is_not_wav(tmp_path: Path) -> None:
-    path = tmp_path / "x.wav"
-    path.write_bytes(b"not a wave file at all")
-    with pytest.raises(ValueError, match=r"expected a PCM WAV file"):
-        read_wav(path)
-
-
 # -- JSONL traces ---------------------------------------------------------------------
 
 
@@ -249,7 +199,9 @@ def test_load_trace_builds_prompts_with_markers_conversations_and_defaults(media
     assert second.messages[:2] == first.messages
     assert second.messages[2] == Message("assistant", ("Done.",))
     grey = second.messages[3].parts[1]
-    assert isinstance(grey, ImageItem) and grey.image.mode == "L"
+    # Opened as the server opens it: the RGB picture the model sees.
+    assert isinstance(grey, ImageItem) and grey.image.mode == "RGB"
+    assert grey.image.tobytes() == Image.new("L", (33, 64), 90).convert("RGB").tobytes()
     assert second.messages[3] == Message("user", (green, grey, "Again"))
     assert (third.tenant, third.cache_salt, third.conversation) == ("default", None, None)
     assert third.messages == (Message("user", ("plain",)),)
@@ -269,11 +221,14 @@ def test_load_trace_builds_prompts_with_markers_conversations_and_defaults(media
         ({"text": "x", "audio": [{"path": "a", "start": 1}]},
          r"audio\[0\]: expected only the key 'path'"),
         ({"text": "x", "images": ["media/missing.png"]},
-         r"images\[0\]: file not found: .*missing\.png"),
+         r"images\[0\]: cannot read image .*missing\.png: no such file$"),
         ({"text": "x", "images": ["media/green.png", "media/broken.png"]},
-         r"images\[1\]: cannot read image .*broken\.png"),
+         r"images\[1\]: cannot read image .*broken\.png: expected an image in a format the "
+         r"server accepts \(PNG, JPEG, WEBP, GIF and 33 more\), found none that Pillow "
+         r"identifies \(another format, or a corrupt file\)$"),
         ({"text": "x", "audio": ["media/green.png"]},
-         r"audio\[0\]: cannot read audio .*green\.png: expected a PCM WAV file"),
+         r"audio\[0\]: cannot read audio .*green\.png: cannot decode the audio: "
+         r"Format not recognised\.$"),
         ({"text": "<image> <image>", "images": ["media/green.png"]},
          r"expected 1 <image> and 0 <audio> markers .* found 2 and 0"),
         ({"text": "x", "reply": "y"}, r"field 'reply': expected only with a 'conversation'"),

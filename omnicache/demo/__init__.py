@@ -3,7 +3,7 @@
 Not part of the library's API: it is the ``omnicache`` command and the
 reference integration. One idea per module, from the bottom up:
 
-- `omnicache.demo.wav`: PCM WAV files.
+- `omnicache.demo.wav`: writing 16-bit PCM WAV files (`omnicache.media` reads them).
 - `omnicache.demo.workloads`: request traces, synthetic or read from JSONL.
 - `omnicache.demo.config`: the model's sizes and the cache's geometry.
 - `omnicache.demo.processor`: prompts to token ids and annotated tokens.

@@ -17,14 +17,24 @@ blocks with other engine processes through a Redis server
 (`omnicache.tiers.redis`; a second run, or a run in another process, gets
 hits for what the first one computed).
 
+``hash`` and ``replay`` open image and audio files as vLLM's OpenAI server
+opens an upload (`omnicache.media`: EXIF orientation, RGB over white, the
+allowed formats and limits, float32 mono audio), so the digest ``hash``
+prints for a file is the one omnicache's front end computes in the server
+for the same file. ``--vllm SERIES`` picks the series whose rules apply
+(default 0.32, the series of the front end), ``--max-image-pixels`` the
+server's ``VLLM_MAX_IMAGE_PIXELS``.
+
 Exit status:
     0  success: every request matched its recompute, no stale read
     1  a mismatch or a stale read (the table says which requests)
     2  usage error: a bad option or value (also a pool too small for a prompt,
        or --plot without matplotlib: one line says what to install, and
        nothing is served)
-    3  bad input: a malformed trace (the message names the line) or an
-       unreadable, unknown or missing file given to ``hash``
+    3  bad input: a malformed trace (the message names the line) or a file
+       that cannot be opened as the server would (missing, unreadable,
+       unknown, truncated, oversize, a decompression bomb); one line on
+       stderr names the file and the reason
 """
 
 from __future__ import annotations
@@ -39,7 +49,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from PIL import Image
 from tqdm import tqdm
 
 from hashing import ALGORITHMS, Algorithm, ContentHash, hash_audio, hash_bytes, hash_image
@@ -48,8 +57,18 @@ from omnicache.demo.engine import ServingEngine
 from omnicache.demo.model import TinyOmniModel
 from omnicache.demo.oracle import ATOL, RTOL, ProgressFn, RunReport, check_fits, run_cached
 from omnicache.demo.processor import Processor
-from omnicache.demo.wav import read_wav
 from omnicache.demo.workloads import SyntheticConfig, Trace, TraceError, load_trace, synthetic_trace
+from omnicache.media import (
+    AUDIO_EXTENSIONS,
+    DEFAULT_SERIES,
+    VLLM_RULES,
+    MediaError,
+    MediaRules,
+    image_extensions,
+    load_audio,
+    load_image,
+    read_file,
+)
 
 if TYPE_CHECKING:
     from omnicache.tiers.redis import RedisTier
@@ -64,12 +83,10 @@ EXIT_BAD_INPUT = 3
 QUICK_MODEL = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, mlp_size=128)
 QUICK_TRACE = SyntheticConfig(num_requests=24, num_images=8, num_audio_clips=3)
 
-# Encoded media that `hash` digests as file bytes, by extension.
+# Encoded media that `hash` digests as file bytes, by extension: formats
+# `omnicache.media` does not decode (libsndfile reads no AAC; video is not
+# loaded here).
 _BYTES_MODALITY = {
-    ".mp3": "audio",
-    ".flac": "audio",
-    ".ogg": "audio",
-    ".opus": "audio",
     ".m4a": "audio",
     ".aac": "audio",
     ".mp4": "video",
@@ -166,6 +183,26 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _add_media_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--vllm", choices=sorted(VLLM_RULES), default=DEFAULT_SERIES, metavar="SERIES",
+        help="open files as this vLLM series' OpenAI server opens uploads "
+        f"({', '.join(sorted(VLLM_RULES))}; default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-image-pixels", type=_positive_int, default=None, metavar="N",
+        help="the server's VLLM_MAX_IMAGE_PIXELS "
+        f"(default {VLLM_RULES[DEFAULT_SERIES].max_image_pixels:,})",
+    )  # fmt: skip
+
+
+def _media_rules(args: argparse.Namespace) -> MediaRules:
+    rules = VLLM_RULES[args.vllm]
+    if args.max_image_pixels is not None:
+        rules = replace(rules, max_image_pixels=args.max_image_pixels)
+    return rules
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omnicache",
@@ -190,9 +227,13 @@ def _build_parser() -> argparse.ArgumentParser:
     replay.add_argument("trace", type=Path, metavar="TRACE.jsonl")
     replay.add_argument("--quick", action="store_true", help="use the small model")
     _add_serve_options(replay)
-    hasher = commands.add_parser("hash", help="print content digests of image and audio files")
+    _add_media_options(replay)
+    hasher = commands.add_parser(
+        "hash", help="print the content digests a vLLM server computes for image and audio files"
+    )
     hasher.add_argument("files", type=Path, nargs="+", metavar="FILE")
     hasher.add_argument("--algorithm", choices=ALGORITHMS, default="blake3")
+    _add_media_options(hasher)
     return parser
 
 
@@ -419,38 +460,39 @@ def _serve(
 # -- hash ------------------------------------------------------------------------
 
 
-def _hash_file(path: Path, algorithm: Algorithm) -> tuple[ContentHash, str]:
-    """The file's content digest and its kind ("image", "audio", or "<modality>-bytes")."""
+def _hash_file(path: Path, algorithm: Algorithm, rules: MediaRules) -> tuple[ContentHash, str]:
+    """The file's content digest and its kind ("image", "audio", or "<modality>-bytes").
+
+    Raises:
+        MediaError: The file cannot be opened as the server would open it.
+    """
     suffix = path.suffix.lower()
-    Image.init()
-    if suffix in Image.registered_extensions():
-        with Image.open(path) as opened:
-            opened.load()
-            return hash_image(opened, algorithm=algorithm), "image"
-    if suffix == ".wav":
-        waveform, sample_rate = read_wav(path)
+    if suffix in image_extensions():
+        return hash_image(load_image(path, rules=rules), algorithm=algorithm), "image"
+    if suffix in AUDIO_EXTENSIONS:
+        waveform, sample_rate = load_audio(path, rules=rules)
         return hash_audio(waveform, sample_rate, algorithm=algorithm), "audio"
     modality = _BYTES_MODALITY.get(suffix)
     if modality is None:
-        raise ValueError(
+        raise MediaError(
+            path,
             f"unknown file type {suffix or '(no extension)'!r}: expected an image "
-            f"({', '.join(sorted(Image.registered_extensions())[:6])}, ...), .wav audio, or "
-            f"encoded media ({', '.join(sorted(_BYTES_MODALITY))})"
+            f"({', '.join(sorted(image_extensions())[:6])}, ...), audio "
+            f"({', '.join(sorted(AUDIO_EXTENSIONS)[:6])}, ...), or encoded media "
+            f"({', '.join(sorted(_BYTES_MODALITY))})",
         )
-    return hash_bytes(
-        path.read_bytes(), modality=modality, algorithm=algorithm
-    ), f"{modality}-bytes"
+    data = read_file(path)
+    return hash_bytes(data, modality=modality, algorithm=algorithm), f"{modality}-bytes"
 
 
 def _hash(args: argparse.Namespace) -> int:
+    rules = _media_rules(args)
     status = EXIT_OK
     for path in args.files:
         try:
-            if not path.is_file():
-                raise ValueError("no such file")
-            digest, kind = _hash_file(path, args.algorithm)
-        except (OSError, ValueError) as exc:
-            print(f"omnicache hash: {path}: {exc}", file=sys.stderr)
+            digest, kind = _hash_file(path, args.algorithm, rules)
+        except MediaError as exc:
+            print(f"omnicache hash: {exc}", file=sys.stderr)
             status = EXIT_BAD_INPUT
             continue
         print(f"{digest.hex()}  {kind:<11}  {path}")
@@ -491,7 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cfg = replace(cfg, num_requests=args.requests)
             trace = synthetic_trace(cfg, seed=args.seed)
         else:
-            trace = load_trace(args.trace)
+            trace = load_trace(args.trace, rules=_media_rules(args))
         return _serve(args, trace, QUICK_MODEL if args.quick else ModelConfig(), write_plot)
     except _UsageError as exc:
         if exc.show_usage:

@@ -27,11 +27,14 @@ JSONL traces (`load_trace`), one request per line; blank lines are skipped::
      "system": "You are ...",      optional str; only on a conversation's first turn
      "text": "Compare <image> and <image>.",   required str
      "images": ["a.png", {"path": "b.jpg"}],   optional list of paths
-     "audio": ["clip.wav", {"path": "x.wav"}], optional list of paths (PCM WAV)
+     "audio": ["clip.wav", {"path": "x.flac"}], optional list of paths
      "reply": "The first ..."}     optional str: the assistant's answer, which the
                                    conversation's next turn extends
 
-Paths are relative to the trace file's folder (or absolute). ``<image>`` and
+Paths are relative to the trace file's folder (or absolute). Files are opened
+as vLLM's OpenAI server opens an upload (`omnicache.media`): an image is the
+RGB picture the model sees, a clip float32 mono at the file's own rate, so a
+trace's digests are the server's. ``<image>`` and
 ``<audio>`` in ``text`` mark where the items go, in list order; text without
 markers gets its images, then its audio clips, before the text. Every turn of a
 conversation must name the same tenant and cache salt. `load_trace` reads and
@@ -53,7 +56,14 @@ import numpy.typing as npt
 from PIL import Image
 
 from omnicache.checks import check_int, check_number
-from omnicache.demo.wav import read_wav
+from omnicache.media import (
+    DEFAULT_SERIES,
+    VLLM_RULES,
+    MediaError,
+    MediaRules,
+    load_audio,
+    load_image,
+)
 
 __all__ = [
     "AUDIO_MARKER",
@@ -415,6 +425,7 @@ def _json_type(value: object) -> str:
 class _Reader:
     path: Path
     folder: Path
+    rules: MediaRules
     # Decoded media by resolved path: a file used twice is read once and is one item.
     media: dict[tuple[str, Path], MediaItem] = field(default_factory=dict)
 
@@ -458,26 +469,18 @@ class _Reader:
         cached = self.media.get((kind, path))
         if cached is not None:
             return cached
-        if not path.is_file():
-            raise self.error(line_number, f"{where}: file not found: {path}")
         item: MediaItem
-        if kind == "images":
-            try:
-                with Image.open(path) as opened:
-                    opened.load()
-                    image = opened.copy()
-                # NOTE: the model sees RGB pixels; a mode without an RGB
-                # conversion is refused here, before anything is served.
-                image.convert("RGB")
-            except (OSError, ValueError, Image.DecompressionBombError) as exc:
-                raise self.error(line_number, f"{where}: cannot read image {path}: {exc}") from None
-            item = ImageItem(image, str(path))
-        else:
-            try:
-                waveform, sample_rate = read_wav(path)
-            except (OSError, ValueError) as exc:
-                raise self.error(line_number, f"{where}: cannot read audio {path}: {exc}") from None
-            item = AudioItem(waveform, sample_rate, str(path))
+        try:
+            if kind == "images":
+                item = ImageItem(load_image(path, rules=self.rules), str(path))
+            else:
+                waveform, sample_rate = load_audio(path, rules=self.rules)
+                item = AudioItem(waveform, sample_rate, str(path))
+        except MediaError as exc:
+            noun = "image" if kind == "images" else "audio"
+            raise self.error(
+                line_number, f"{where}: cannot read {noun} {exc.path}: {exc.reason}"
+            ) from None
         self.media[(kind, path)] = item
         return item
 
@@ -510,11 +513,12 @@ def _user_parts(
     return tuple(parts)
 
 
-def load_trace(path: str | Path) -> Trace:
+def load_trace(path: str | Path, *, rules: MediaRules = VLLM_RULES[DEFAULT_SERIES]) -> Trace:
     """Reads and checks a JSONL trace (schema in the module docstring), media included.
 
     Args:
         path: The trace file; media paths are relative to its folder.
+        rules: How media files are opened (`omnicache.media`): the server's.
 
     Returns:
         The trace, every image decoded and every clip read.
@@ -530,7 +534,7 @@ def load_trace(path: str | Path) -> Trace:
         text = trace_path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise TraceError(trace_path, 0, f"cannot read the trace: {exc}") from None
-    reader = _Reader(trace_path, trace_path.resolve().parent)
+    reader = _Reader(trace_path, trace_path.resolve().parent, rules)
     requests: list[TraceRequest] = []
     request_ids: set[str] = set()
     # conversation id -> (tenant, salt, messages so far including the last reply)
