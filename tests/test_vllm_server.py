@@ -1,7 +1,7 @@
 """omnicache in vLLM's OpenAI server: chat completions with base64 images, keys and metrics.
 
 One server (``python -m vllm.entrypoints.openai.api_server``, vLLM 0.32's
-live CPU engine) serves the tiny Qwen2-VL of ``live_models`` on a loopback
+live CPU engine) serves the tiny Qwen2-VL of `omnicache.demo.tiny_models` on a loopback
 port with omnicache on as a user turns it on: ``--scheduler-cls`` naming
 `OmniScheduler` and ``OMNICACHE_MM_UUIDS=1``, so the front end fills in each
 image's omnicache digest and checks the uuids clients send. A scripted
@@ -206,7 +206,7 @@ SEQUENCE: list[tuple[str, int | str, str | None]] = [
 
 @pytest.fixture(scope="module")
 def vl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from live_models import build_vl_model
+    from omnicache.demo.tiny_models import build_vl_model
 
     return build_vl_model(tmp_path_factory.mktemp("server-model") / "qwen2-vl-tiny")
 

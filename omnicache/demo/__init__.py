@@ -12,5 +12,9 @@ reference integration. One idea per module, from the bottom up:
   `PrefixCache`, `BlockPool` and `TensorStore`.
 - `omnicache.demo.oracle`: the run loop, checked against a full recompute.
 - `omnicache.demo.plot`: the ``--plot`` figure (matplotlib, the ``plot`` extra).
-- `omnicache.demo.cli`: the ``omnicache`` command (``python -m omnicache``).
+- `omnicache.demo.tiny_models`: tiny random-weight models for a live vLLM
+  engine (transformers, imported when one is built).
+- `omnicache.demo.cli`: the ``omnicache`` command (``python -m omnicache``);
+  it sits above `omnicache.integrations` and, for ``--engine vllm``, runs
+  `omnicache.integrations.vllm.demo`.
 """

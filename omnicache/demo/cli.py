@@ -1,6 +1,7 @@
 """The ``omnicache`` command: serve a multimodal workload through the cache, or hash media.
 
     omnicache demo [--quick] [--requests N] [--seed S]   the embedded synthetic trace
+    omnicache demo --engine vllm [--requests N]          the same trace through a live vLLM engine
     omnicache replay TRACE.jsonl                         a JSONL trace (omnicache.demo.workloads)
     omnicache hash FILE...                               content digests of media files
 
@@ -25,12 +26,18 @@ for the same file. ``--vllm SERIES`` picks the series whose rules apply
 (default 0.32, the series of the front end), ``--max-image-pixels`` the
 server's ``VLLM_MAX_IMAGE_PIXELS``.
 
+``demo --engine vllm`` serves the synthetic trace through vLLM 0.32's live
+CPU engine instead (`omnicache.integrations.vllm.demo`: caching off, vLLM's
+own prefix caching, omnicache; ``--requests``, ``--seed`` and
+``--num-blocks``, the KV cache's blocks, apply). vLLM is imported only then;
+without its live engine one line says how to get it (exit status 2).
+
 Exit status:
     0  success: every request matched its recompute, no stale read
     1  a mismatch or a stale read (the table says which requests)
     2  usage error: a bad option or value (also a pool too small for a prompt,
-       or --plot without matplotlib: one line says what to install, and
-       nothing is served)
+       or --plot without matplotlib, or --engine vllm without vLLM's live
+       engine: one line says what to install, and nothing is served)
     3  bad input: a malformed trace (the message names the line) or a file
        that cannot be opened as the server would (missing, unreadable,
        unknown, truncated, oversize, a decompression bomb); one line on
@@ -79,6 +86,12 @@ EXIT_OK = 0
 EXIT_MISMATCH = 1
 EXIT_USAGE = 2
 EXIT_BAD_INPUT = 3
+
+ENGINES = ("embedded", "vllm")
+# What --engine vllm takes besides --requests, --seed and --num-blocks: nothing
+# else of the embedded engine's options.
+_EMBEDDED_ONLY = ("quick", "block_size", "algorithm", "salt", "plot", "progress", "threads",
+                  "redis", "redis_namespace")  # fmt: skip
 
 QUICK_MODEL = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, mlp_size=128)
 QUICK_TRACE = SyntheticConfig(num_requests=24, num_images=8, num_audio_clips=3)
@@ -220,6 +233,11 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--quick", action="store_true", help="a small trace and model (a few seconds)"
     )
+    demo.add_argument(
+        "--engine", choices=ENGINES, default="embedded",
+        help="embedded: the small transformer here (default); vllm: a live vLLM 0.32 CPU "
+        "engine serving a tiny Qwen2.5-Omni thinker, against vLLM's own prefix caching",
+    )  # fmt: skip
     _add_serve_options(demo)
     replay = commands.add_parser(
         "replay", help="serve a JSONL trace (see omnicache.demo.workloads)"
@@ -457,6 +475,47 @@ def _serve(
     return EXIT_OK
 
 
+def _serve_live(args: argparse.Namespace, defaults: argparse.Namespace) -> int:
+    """``demo --engine vllm``: the synthetic trace through a live vLLM engine."""
+    for name in _EMBEDDED_ONLY:
+        if getattr(args, name) != getattr(defaults, name):
+            option = "--" + name.replace("_", "-")
+            raise _UsageError(
+                f"{option}: expected only with --engine embedded, found --engine vllm"
+            )
+    from omnicache.integrations.vllm.demo import LiveDemoConfig, run_live_demo, summary_lines
+
+    try:
+        config = LiveDemoConfig(num_blocks=args.num_blocks)
+    except ValueError as exc:
+        raise _UsageError(f"--engine vllm: {exc}") from None
+    cfg = SyntheticConfig()
+    if args.requests is not None:
+        cfg = replace(cfg, num_requests=args.requests)
+    trace = synthetic_trace(cfg, seed=args.seed)
+    try:
+        report = run_live_demo(
+            trace, config, log=lambda line: print(f"omnicache: {line}", file=sys.stderr)
+        )
+    except ImportError as exc:
+        raise _UsageError(f"--engine vllm: {exc}", show_usage=False) from None
+    print(f"omnicache {args.command} --engine vllm")
+    for line in summary_lines(report):
+        print(line)
+    if not report.ok:
+        shown = ", ".join(report.mismatched_requests[:5])
+        more = " ..." if len(report.mismatched_requests) > 5 else ""
+        print(
+            f"omnicache: FAILED: {report.num_mismatches} mismatches ({shown}{more}), "
+            f"{report.num_stale_reads} stale reads",
+            file=sys.stderr,
+        )
+        return EXIT_MISMATCH
+    print()
+    print("ok: every request's prompt hidden states matched caching off's; no stale read")
+    return EXIT_OK
+
+
 # -- hash ------------------------------------------------------------------------
 
 
@@ -526,6 +585,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "hash":
             return _hash(args)
+        if args.command == "demo" and args.engine == "vllm":
+            return _serve_live(args, parser.parse_args(["demo"]))
         write_plot = None if args.plot is None else _plot_writer(args.plot)
         if args.command == "demo":
             cfg = QUICK_TRACE if args.quick else SyntheticConfig()

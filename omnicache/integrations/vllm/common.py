@@ -13,12 +13,27 @@ differ, code branches on `vllm_series`, and only there.
 
 from __future__ import annotations
 
-__all__ = ["INSTALL_HINT", "VLLM_SERIES", "require_vllm", "vllm_series"]
+import importlib.metadata
+
+__all__ = [
+    "INSTALL_HINT",
+    "LIVE_INSTALL_HINT",
+    "VLLM_SERIES",
+    "live_engine_missing",
+    "require_live_engine",
+    "require_vllm",
+    "vllm_series",
+]
 
 INSTALL_HINT = (
     "install vLLM 0.33's scheduler-side code (CPU only, no CUDA stack) with "
     "`scripts/install-vllm-cpu.sh [VENV]`, or a live vLLM 0.32 CPU engine with "
     "`scripts/install-vllm-live.sh [VENV]`, from an omnicache checkout"
+)
+
+LIVE_INSTALL_HINT = (
+    "`./dev live` prepares .venv-live with it (scripts/install-vllm-live.sh [VENV], from an "
+    "omnicache checkout)"
 )
 
 VLLM_SERIES = ("0.32.", "0.33.")
@@ -52,3 +67,42 @@ def vllm_series() -> str:
 def require_vllm() -> None:
     """Imports vLLM and checks its version (see `vllm_series`)."""
     vllm_series()
+
+
+def live_engine_missing() -> str | None:
+    """Why vLLM 0.32's live CPU engine cannot run here, or None when it can.
+
+    The live engine is the ``vllm-cpu`` distribution of vLLM 0.32; vLLM
+    0.33's scheduler-side code (``scripts/install-vllm-cpu.sh``) imports as
+    ``vllm`` too, but runs no model.
+    """
+    try:
+        version = importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            found = f"vLLM {importlib.metadata.version('vllm')}, not the live CPU build"
+        except importlib.metadata.PackageNotFoundError:
+            found = "no vLLM"
+        return f"expected vLLM 0.32's live CPU engine (vllm-cpu), found {found}"
+    if not version.startswith("0.32."):
+        return f"expected vLLM 0.32's live CPU engine (vllm-cpu 0.32), found vllm-cpu {version}"
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        return (
+            f"expected vLLM 0.32's live CPU engine, found vllm-cpu {version} not importable ({exc})"
+        )
+    return None
+
+
+def require_live_engine() -> str:
+    """Checks that vLLM 0.32's live CPU engine can run here; returns its version.
+
+    Raises:
+        ImportError: it cannot (`live_engine_missing`); the message ends with
+            `LIVE_INSTALL_HINT`.
+    """
+    missing = live_engine_missing()
+    if missing is not None:
+        raise ImportError(f"{missing}; {LIVE_INSTALL_HINT}")
+    return importlib.metadata.version("vllm-cpu")
