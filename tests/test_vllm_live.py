@@ -377,12 +377,16 @@ def picture(seed: int) -> Image.Image:
 
 
 def image_prompt(
-    image: Image.Image, cache_salt: str | None = None, *, with_uuids: bool = True
+    image: Image.Image,
+    cache_salt: str | None = None,
+    *,
+    with_uuids: bool = True,
+    before_image: str = "",
 ) -> dict[str, Any]:
     mm_data = {"image": image}
     prompt: dict[str, Any] = {
         "prompt": (
-            f"<|im_start|>user\n{PREAMBLE}<|vision_start|>{IMAGE_PAD}<|vision_end|>"
+            f"<|im_start|>user\n{PREAMBLE}{before_image}<|vision_start|>{IMAGE_PAD}<|vision_end|>"
             "Which colour is it?<|im_end|>\n<|im_start|>assistant\n"
         ),
         "multi_modal_data": mm_data,
@@ -449,6 +453,23 @@ def test_images_hit_as_prefix_caching_does_with_omnicache_digests(
 
     expected = keys(a_first, 1) | keys(b_first, 2) | keys(a_salted, 1, "tenant-b")
     assert cached_keys(vl_llm) == expected
+
+
+def test_the_same_image_at_another_position_shares_no_block_after_it(vl_llm: Any) -> None:
+    salt = "position"  # apart from the other tests' blocks
+    first = run_one(vl_llm, image_prompt(picture(5), salt))
+    moved = run_one(vl_llm, image_prompt(picture(5), salt, before_image="Look closely: "))
+    moved_again = run_one(vl_llm, image_prompt(picture(5), salt, before_image="Look closely: "))
+    first_ids, moved_ids = list(first.prompt_token_ids), list(moved.prompt_token_ids)
+    common = next(i for i, (a, b) in enumerate(zip(first_ids, moved_ids, strict=False)) if a != b)
+    first_offset, _ = image_span(vl_llm, first)
+    moved_offset, _ = image_span(vl_llm, moved)
+    assert common < first_offset < moved_offset  # the texts part before the image, which moved
+    # Only the full blocks before the two prompts part are shared: none after the image.
+    full = (len(moved_ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    hits = [output.num_cached_tokens for output in (first, moved, moved_again)]
+    assert hits == [0, common // BLOCK_SIZE * BLOCK_SIZE, full]
+    assert common // BLOCK_SIZE * BLOCK_SIZE < full
 
 
 # vLLM's own keys, in a fresh interpreter (this module's engines stay as they are): an
