@@ -1,10 +1,11 @@
 """omnicache in vLLM's OpenAI server: chat completions with base64 images, keys and metrics.
 
 One server (``python -m vllm.entrypoints.openai.api_server``, vLLM 0.32's
-live CPU engine) serves the tiny Qwen2-VL of `omnicache.demo.tiny_models` on a loopback
-port with omnicache on as a user turns it on: ``--scheduler-cls`` naming
+live CPU engine) serves the tiny Qwen2.5-Omni thinker of
+`omnicache.demo.tiny_models` (images and audio) on a loopback port with
+omnicache on as a user turns it on: ``--scheduler-cls`` naming
 `OmniScheduler` and ``OMNICACHE_MM_UUIDS=1``, so the front end fills in each
-image's omnicache digest and checks the uuids clients send. A scripted
+item's omnicache digest and checks the uuids clients send. A scripted
 sequence of requests runs once against it; the tests read what it recorded:
 the HTTP outcome, the ``/metrics`` prefix-cache counters around each
 request, the completion's tokens, and the keys of the blocks the engine
@@ -47,6 +48,7 @@ from test_vllm_live import (
 from hashing import ContentHash, hash_audio, hash_identifier, hash_image
 from omnicache.annotations import TokenRangeAnnotation
 from omnicache.block_hash import block_hash_low64
+from omnicache.demo.tiny_models import OMNI_AUDIO_PAD, OMNI_IMAGE_PAD
 from omnicache.integrations.vllm import UUID_NAMESPACE
 
 pytestmark = [
@@ -118,7 +120,7 @@ class Server:
             "--max-model-len", "1024", "--max-num-seqs", "4", "--dtype", "float32",
             "--enforce-eager", "--seed", "0", "--enable-prefix-caching",
             "--enable-prompt-tokens-details",
-            "--limit-mm-per-prompt", json.dumps({"image": 1}),
+            "--limit-mm-per-prompt", json.dumps({"image": 1, "audio": 1}),
             "--kv-events-config", json.dumps(events),
             "--scheduler-cls", SCHEDULER,
         ]  # fmt: skip
@@ -206,9 +208,10 @@ SEQUENCE: list[tuple[str, int | str, str | None]] = [
 
 @pytest.fixture(scope="module")
 def vl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from omnicache.demo.tiny_models import build_vl_model
+    """The server's model: a tiny Qwen2.5-Omni thinker, which takes images and audio."""
+    from omnicache.demo.tiny_models import build_omni_model
 
-    return build_vl_model(tmp_path_factory.mktemp("server-model") / "qwen2-vl-tiny")
+    return build_omni_model(tmp_path_factory.mktemp("server-model") / "qwen2.5-omni-tiny")
 
 
 @pytest.fixture(scope="module")
@@ -265,7 +268,7 @@ def prompt_token_ids(model: Path) -> list[int]:
         }
     ]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    pad = "<|image_pad|>"
+    pad = OMNI_IMAGE_PAD
     assert text.count(pad) == 1
     ids: list[int] = tokenizer.encode(
         text.replace(pad, pad * IMAGE_TOKENS), add_special_tokens=False
@@ -276,7 +279,7 @@ def prompt_token_ids(model: Path) -> list[int]:
 def image_offset(ids: list[int], model: Path) -> int:
     from transformers import AutoTokenizer
 
-    pad = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids("<|image_pad|>")
+    pad = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids(OMNI_IMAGE_PAD)
     return ids.index(pad)
 
 
@@ -456,16 +459,65 @@ def test_omnicache_hash_prints_the_digest_the_server_keys_an_upload_by(
     assert not sideways_keys & set(server.events.stored)
 
 
+def test_omnicache_hash_prints_the_digest_the_server_keys_a_wav_upload_by(
+    server: Server, vl_model: Path, tmp_path: Path
+) -> None:
+    """A WAV sent to the server is keyed by the digest ``omnicache hash`` prints for it.
+
+    The clip is at 16 kHz, the model's rate: the live environment has none of
+    the resamplers vLLM would use for another rate.
+    """
+    from media_files import tone, write_audio
+
+    path = write_audio(tmp_path / "stereo.wav", tone(8_000, 2, seed=7), 16_000, "PCM_16")
+    digest = cli_digest(path)
+    first_event = len(server.events.stored)
+    body = {
+        **chat_body(data_url(A)),
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": PREAMBLE},
+                    {
+                        "type": "input_audio",
+                        "input_audio": {
+                            "data": base64.b64encode(path.read_bytes()).decode("ascii"),
+                            "format": "wav",
+                        },
+                    },
+                    {"type": "text", "text": "What is the sound?"},
+                ],
+            }
+        ],
+    }
+    status, answer = server.chat(body)
+    assert status == 200, answer
+    ids = list(answer["prompt_token_ids"])
+    computed = ids + list(answer["choices"][0]["token_ids"][:-1])
+    from transformers import AutoTokenizer
+
+    pad = AutoTokenizer.from_pretrained(vl_model).convert_tokens_to_ids(OMNI_AUDIO_PAD)
+    offset, length = ids.index(pad), ids.count(pad)
+    assert ids[offset : offset + length] == [pad] * length
+    annotation = TokenRangeAnnotation(offset, length, digest, 0, length)
+    keys = [block_hash_low64(key) for key in full_block_keys(vl_model, computed, [annotation])]
+    server.events.wait_for(set(keys), timeout=10.0)
+    # The text before the clip was stored by earlier requests; from the block
+    # that holds the clip's first token on, every block is new and keyed by the
+    # command's digest.
+    assert set(keys) <= set(server.events.stored)
+    assert set(keys[offset // BLOCK_SIZE :]) <= set(server.events.stored[first_event:])
+
+
 def test_omnicache_hash_prints_the_digest_of_what_vllms_audio_loader_returns(
     tmp_path: Path,
 ) -> None:
-    """A WAV's digest from the command equals the one of vLLM's own decode of it.
+    """WAVs the server cannot take here (other rates) against vLLM's own decode.
 
-    The server's model (Qwen2-VL) takes no audio, so no request carries the
-    clip: the engine's path is ``AudioMediaIO().load_bytes(data)``, the very
-    function the server runs on an audio upload, called here in the live
-    environment; omnicache's front end digests what it returns with
-    `hashing.hash_audio`.
+    The server runs ``AudioMediaIO().load_bytes(data)`` on an audio upload
+    before it resamples; called here in the live environment, its output's
+    `hashing.hash_audio` is what omnicache's front end would key by.
     """
     from media_files import tone, write_audio
     from vllm.multimodal.media.audio import AudioMediaIO
