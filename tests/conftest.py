@@ -1,7 +1,9 @@
-"""Fixtures shared by test modules: device configurations, the Redis server of the tier tests."""
+"""Fixtures shared by test modules: device configurations, the live vLLM engine's
+gate, the Redis server of the tier tests."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, NoReturn
@@ -18,6 +20,37 @@ def cfg(request: pytest.FixtureRequest) -> DeviceConfig:
     """Each device configuration a store runs in (CUDA ones where a GPU is present)."""
     config: DeviceConfig = request.param
     return config
+
+
+@functools.cache
+def _live_engine_missing() -> str | None:
+    """Why vLLM 0.32's live CPU engine cannot run here (with how to get it), or None."""
+    from omnicache.integrations.vllm.common import LIVE_INSTALL_HINT, live_engine_missing
+
+    missing = live_engine_missing()
+    return None if missing is None else f"{missing}; {LIVE_INSTALL_HINT}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _live_engine_gate(request: pytest.FixtureRequest) -> None:
+    """Skips a ``vllm_live`` module without the live engine, or fails it where it is required.
+
+    Required under ``CI=true`` or ``OMNICACHE_REQUIRE_VLLM_LIVE=1``. Runs
+    before any of the module's fixtures builds a model or starts an engine.
+    The marker also lets ``-m "not vllm_live"`` leave those modules out of a
+    run in another environment, even under CI=true.
+    """
+    if request.node.get_closest_marker("vllm_live") is None:
+        return
+    missing = _live_engine_missing()
+    if missing is None:
+        return
+    if os.environ.get("CI") == "true" or os.environ.get("OMNICACHE_REQUIRE_VLLM_LIVE") == "1":
+        pytest.fail(
+            f"CI=true or OMNICACHE_REQUIRE_VLLM_LIVE=1 requires the live engine: {missing}",
+            pytrace=False,
+        )
+    pytest.skip(missing)
 
 
 def _no_redis(reason: str) -> NoReturn:

@@ -17,17 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from omnicache.integrations.vllm.common import live_engine_missing
-
 REPO = Path(__file__).resolve().parent.parent
-LIVE_MISSING = live_engine_missing()
-LIVE_REQUIRED = (
-    os.environ.get("CI") == "true" or os.environ.get("OMNICACHE_REQUIRE_VLLM_LIVE") == "1"
-)
-pytestmark = [
-    pytest.mark.vllm_live,
-    pytest.mark.skipif(LIVE_MISSING is not None and not LIVE_REQUIRED, reason=LIVE_MISSING or ""),
-]
+pytestmark = pytest.mark.vllm_live  # the gate: tests/conftest.py
 NUM_REQUESTS = 40
 
 
@@ -39,11 +30,6 @@ def _row(out: str, name: str) -> list[str]:
 
 
 def test_demo_serves_the_trace_through_a_live_engine_with_no_mismatch() -> None:
-    if LIVE_MISSING is not None:
-        pytest.fail(
-            f"CI=true or OMNICACHE_REQUIRE_VLLM_LIVE=1 requires the live engine: {LIVE_MISSING}",
-            pytrace=False,
-        )
     result = subprocess.run(
         [sys.executable, "-m", "omnicache", "demo", "--engine", "vllm",
          "--requests", str(NUM_REQUESTS)],

