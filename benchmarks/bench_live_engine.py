@@ -49,9 +49,11 @@ from PIL import Image
 # In-process engines: the engine core and its scheduler are objects of this process.
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-# The live tests' tiny models.
+from live_timing import Timed
+
 from omnicache.demo.tiny_models import IMAGE_PAD, build_vl_model
 from omnicache.integrations.vllm import multi_modal_uuids
+from omnicache.integrations.vllm.common import SCHEDULER_CLS
 
 BLOCK_SIZE = 32
 SALTS = ("tenant-0", "tenant-1", "tenant-2")
@@ -62,7 +64,6 @@ QUESTIONS = (
     "Is it bright or dark?",
 )
 PREAMBLE = "Describe the picture in one sentence, please, and name every colour in it. " * 3
-SCHEDULER = "omnicache.integrations.vllm.plugin.OmniScheduler"
 MODES = ("off", "vLLM", "omnicache")
 
 
@@ -96,23 +97,6 @@ def prompt(salt: str, image: Image.Image, question: str, *, with_uuids: bool) ->
     return built
 
 
-class Timed:
-    """Wraps a bound method, adding each call's wall time to a list."""
-
-    def __init__(self, owner: Any, name: str) -> None:
-        self.times: list[float] = []
-        inner = getattr(owner, name)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.times.append(time.perf_counter() - start)
-
-        setattr(owner, name, timed)
-
-
 def counters(llm: Any) -> tuple[float, float]:
     names = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
     values = {metric.name: metric.value for metric in llm.get_metrics() if metric.name in names}
@@ -138,7 +122,7 @@ def run_mode(
         "limit_mm_per_prompt": {"image": 1},
     }
     if mode == "omnicache":
-        options["scheduler_cls"] = SCHEDULER
+        options["scheduler_cls"] = SCHEDULER_CLS
     llm = LLM(**options)
     core = llm.llm_engine.engine_core.engine_core
     schedule = Timed(core.scheduler, "schedule")

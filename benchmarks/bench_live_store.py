@@ -29,42 +29,23 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-# The live tests' tiny models.
+from live_timing import Timed
+
 from omnicache.demo.tiny_models import build_text_model
+from omnicache.integrations.vllm.common import (
+    SCHEDULER_CLS,
+    WORKER_CLS,
+    store_kv_transfer_config,
+)
 
 BLOCK_SIZE = 32
-SCHEDULER = "omnicache.integrations.vllm.plugin.OmniScheduler"
-WORKER = "omnicache.integrations.vllm.worker.OmniCPUWorker"
-CONNECTOR = {
-    "kv_connector": "OmniStoreConnector",
-    "kv_connector_module_path": "omnicache.integrations.vllm.connector",
-    "kv_role": "kv_both",
-}
 MODES = ("vLLM", "omnicache keys", "keys + store")
 WORKLOADS = ("prefill", "decode")
-
-
-class Timed:
-    """Wraps a bound method, adding each call's wall time to a list."""
-
-    def __init__(self, owner: Any, name: str) -> None:
-        self.times: list[float] = []
-        inner = getattr(owner, name)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.times.append(time.perf_counter() - start)
-
-        setattr(owner, name, timed)
 
 
 def prompts(workload: str, args: argparse.Namespace, salt: str) -> list[dict[str, Any]]:
@@ -97,10 +78,10 @@ def engine(mode: str, model: Path) -> Any:
         "seed": 0,
     }
     if mode != "vLLM":
-        options["scheduler_cls"] = SCHEDULER
+        options["scheduler_cls"] = SCHEDULER_CLS
     if mode == "keys + store":
-        options["worker_cls"] = WORKER
-        options["kv_transfer_config"] = CONNECTOR
+        options["worker_cls"] = WORKER_CLS
+        options["kv_transfer_config"] = store_kv_transfer_config()
     return LLM(**options)
 
 

@@ -16,12 +16,18 @@ from __future__ import annotations
 import importlib.metadata
 
 __all__ = [
+    "CONNECTOR_MODULE",
+    "CONNECTOR_NAME",
     "INSTALL_HINT",
     "LIVE_INSTALL_HINT",
+    "PROMPT_HIDDEN_STATES",
+    "SCHEDULER_CLS",
     "VLLM_SERIES",
+    "WORKER_CLS",
     "live_engine_missing",
     "require_live_engine",
     "require_vllm",
+    "store_kv_transfer_config",
     "vllm_series",
 ]
 
@@ -35,6 +41,26 @@ LIVE_INSTALL_HINT = (
     "`./dev live` prepares .venv-live with it (scripts/install-vllm-live.sh [VENV], from an "
     "omnicache checkout)"
 )
+
+# The names a user gives vLLM to turn omnicache on (see the README's "Use with vLLM").
+SCHEDULER_CLS = "omnicache.integrations.vllm.plugin.OmniScheduler"
+"""``scheduler_cls``: omnicache's keys (`plugin.OmniScheduler`)."""
+WORKER_CLS = "omnicache.integrations.vllm.worker.OmniCPUWorker"
+"""``worker_cls``: the worker that keeps hidden states (`worker.OmniCPUWorker`)."""
+CONNECTOR_NAME = "OmniStoreConnector"
+CONNECTOR_MODULE = "omnicache.integrations.vllm.connector"
+PROMPT_HIDDEN_STATES = "omnicache_prompt_hidden_states"
+"""The ``extra_args`` key with which a request asks for its prompt's hidden states."""
+
+
+def store_kv_transfer_config() -> dict[str, str]:
+    """The ``kv_transfer_config`` that carries each step's plan to `WORKER_CLS` (a new dict)."""
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+    }
+
 
 VLLM_SERIES = ("0.32.", "0.33.")
 """The vLLM release series the package is written for (versions' prefixes)."""

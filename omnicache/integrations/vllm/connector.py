@@ -46,7 +46,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from omnicache.integrations.vllm.common import vllm_series
+from omnicache.integrations.vllm.common import (
+    CONNECTOR_MODULE,
+    CONNECTOR_NAME,
+    PROMPT_HIDDEN_STATES,
+    vllm_series,
+)
 from omnicache.integrations.vllm.manager import OmniKVCacheManager
 from omnicache.integrations.vllm.mirror import StoreMirror
 from omnicache.integrations.vllm.step_plan import PlannedRequest, StepPlan
@@ -75,9 +80,6 @@ __all__ = [
     "wants_prompt_hidden_states",
 ]
 
-CONNECTOR_NAME = "OmniStoreConnector"
-CONNECTOR_MODULE = "omnicache.integrations.vllm.connector"
-PROMPT_HIDDEN_STATES = "omnicache_prompt_hidden_states"
 """The ``SamplingParams.extra_args`` key by which a request asks for its prompt's hidden states."""
 REQUEST_ID_PARAM = "omnicache_request_id"
 """The ``kv_transfer_params`` key of the engine core's id of a request that asked."""

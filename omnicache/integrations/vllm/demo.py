@@ -75,19 +75,18 @@ from omnicache.demo.tiny_models import (
     build_omni_model,
 )
 from omnicache.demo.workloads import AudioItem, ImageItem, Trace, TraceRequest
-from omnicache.integrations.vllm.common import require_live_engine
+from omnicache.integrations.vllm.common import (
+    PROMPT_HIDDEN_STATES,
+    SCHEDULER_CLS,
+    WORKER_CLS,
+    require_live_engine,
+    store_kv_transfer_config,
+)
 from omnicache.integrations.vllm.identifiers import multi_modal_uuids
 
 __all__ = ["EngineRun", "LiveDemoConfig", "LiveReport", "run_live_demo", "summary_lines"]
 
-SCHEDULER = "omnicache.integrations.vllm.plugin.OmniScheduler"
-WORKER = "omnicache.integrations.vllm.worker.OmniCPUWorker"
-CONNECTOR = {
-    "kv_connector": "OmniStoreConnector",
-    "kv_connector_module_path": "omnicache.integrations.vllm.connector",
-    "kv_role": "kv_both",
-}
-ASK = {"omnicache_prompt_hidden_states": True}
+ASK = {PROMPT_HIDDEN_STATES: True}
 # The tiny model's KV per token: 2 layers x (K, V) x 2 KV heads x 32 values x 4 bytes.
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4
 WARMUP_REQUESTS = 4
@@ -320,9 +319,9 @@ def _engine_args(
         "seed": 0,
     }
     if run != 1:
-        args.update(worker_cls=WORKER, kv_transfer_config=CONNECTOR)
+        args.update(worker_cls=WORKER_CLS, kv_transfer_config=store_kv_transfer_config())
     if run == 2:
-        args["scheduler_cls"] = SCHEDULER
+        args["scheduler_cls"] = SCHEDULER_CLS
     return args
 
 

@@ -40,12 +40,8 @@ from typing import Any
 import torch
 
 from omnicache.checks import type_name
-from omnicache.integrations.vllm.common import vllm_series
-from omnicache.integrations.vllm.connector import (
-    CONNECTOR_NAME,
-    REQUEST_ID_PARAM,
-    OmniStepMetadata,
-)
+from omnicache.integrations.vllm.common import CONNECTOR_NAME, WORKER_CLS, vllm_series
+from omnicache.integrations.vllm.connector import REQUEST_ID_PARAM, OmniStepMetadata
 from omnicache.integrations.vllm.live_store import LiveStore
 from omnicache.store import TensorStore
 
@@ -65,7 +61,6 @@ __all__ = [
     "take_prompt_hidden_states",
 ]
 
-WORKER_CLS = "omnicache.integrations.vllm.worker.OmniCPUWorker"
 TAKE_METHOD = "omni_take_prompt_hidden_states"
 STATS_METHOD = "omni_live_store_stats"
 DEFAULT_MAX_PROMPT_RESULTS = 256
