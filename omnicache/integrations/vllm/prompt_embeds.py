@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any
 
-from hashing import Algorithm, ContentHash, hash_array
+from hashing import Algorithm, ContentHash, hash_array, hash_array_rows
 from omnicache.annotations import TokenRangeAnnotation
 from omnicache.checks import type_name
 
@@ -158,18 +158,14 @@ def prompt_embeds_annotations(
     pieces = _pieces(runs, start, min(stop, request.num_prompt_tokens), block_size, lookahead)
     if not pieces:
         return list(features)
-    base = pieces[0][0]
-    rows = request.prompt_embeds[base : pieces[-1][1]]
-    device = getattr(rows, "device", None)
-    if device is not None and device.type != "cpu":
-        rows = rows.cpu()  # NOTE: one copy to the host, not one per piece.
     # Items as absolute [lo, hi) with their annotation.
     items = [(start + f.token_index, start + f.token_end, f) for f in features]
     edges = sorted(
         {edge for lo, hi in pieces for edge in (lo, hi)}
         | {edge for lo, hi, _ in items for edge in (lo, hi)}
     )
-    out: list[TokenRangeAnnotation] = []
+    # Each stretch between two edges: rows alone, an item alone, or rows over an item.
+    parts: list[tuple[int, int, TokenRangeAnnotation | None, bool]] = []
     piece_index = item_index = 0
     for lo, hi in pairwise(edges):
         while piece_index < len(pieces) and pieces[piece_index][1] <= lo:
@@ -177,23 +173,49 @@ def prompt_embeds_annotations(
         while item_index < len(items) and items[item_index][1] <= lo:
             item_index += 1
         in_piece = piece_index < len(pieces) and pieces[piece_index][0] <= lo
-        item = items[item_index] if item_index < len(items) else None
-        if item is not None and item[0] > lo:
-            item = None
-        if item is None and not in_piece:
+        feature = None
+        if item_index < len(items) and items[item_index][0] <= lo:
+            feature = items[item_index][2]
+        if feature is not None or in_piece:
+            parts.append((lo, hi, feature, in_piece))
+    digests = _rows_digests(request.prompt_embeds, parts, algorithm)
+    out: list[TokenRangeAnnotation] = []
+    for index, (lo, hi, feature, in_piece) in enumerate(parts):
+        if feature is None:
+            out.append(TokenRangeAnnotation(lo - start, hi - lo, digests[index], 0, hi - lo))
             continue
-        if item is None:
-            digest = prompt_embeds_digest(rows[lo - base : hi - base], algorithm=algorithm)
-            out.append(TokenRangeAnnotation(lo - start, hi - lo, digest, 0, hi - lo))
-            continue
-        item_lo, _, feature = item
-        offset = feature.content_offset + (lo - item_lo)
-        content_hash = feature.content_hash
-        if in_piece:
-            content_hash = prompt_embeds_digest(
-                rows[lo - base : hi - base], item=content_hash, algorithm=algorithm
-            )
+        offset = feature.content_offset + (lo - start - feature.token_index)
+        content_hash = digests[index] if in_piece else feature.content_hash
         out.append(
             TokenRangeAnnotation(lo - start, hi - lo, content_hash, offset, feature.content_length)
         )
     return out
+
+
+def _rows_digests(
+    embeds: Any,
+    parts: Sequence[tuple[int, int, TokenRangeAnnotation | None, bool]],
+    algorithm: Algorithm,
+) -> dict[int, bytes]:
+    """`prompt_embeds_digest` of the rows of every part that has rows, by part index.
+
+    NOTE: one `hashing.hash_array_rows` call per item (and one for rows over
+    no item) converts the rows once, not once a block.
+    """
+    by_item: dict[bytes | None, list[int]] = {}
+    for index, (_, _, feature, in_piece) in enumerate(parts):
+        if in_piece:
+            by_item.setdefault(None if feature is None else feature.content_hash, []).append(index)
+    if not by_item:
+        return {}
+    base = min(parts[i][0] for indices in by_item.values() for i in indices)
+    top = max(parts[i][1] for indices in by_item.values() for i in indices)
+    window = embeds[base:top]
+    digests: dict[int, bytes] = {}
+    for item, indices in by_item.items():
+        bounds = [(parts[i][0] - base, parts[i][1] - base) for i in indices]
+        found = hash_array_rows(
+            window, bounds, algorithm=algorithm, context={"scheme": EMBEDS_SCHEME, "item": item}
+        )
+        digests.update(zip(indices, found, strict=True))
+    return digests
