@@ -28,14 +28,16 @@ from test_vllm_integration import (
     VLLM_MISSING,
     image_feature,
     needs_vllm,
+    recompute,
 )
 
 from hashing import DEFAULT_ALGORITHM, hash_array
 from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
 from omnicache.block_hash import BlockHasher
-from omnicache.integrations.vllm import RequestBlockHasher
+from omnicache.integrations.vllm import OmniKVCacheManager, RequestBlockHasher, StepRequest
 from omnicache.integrations.vllm.kv_cache import new_kv_cache_manager
 from omnicache.integrations.vllm.prompt_embeds import EMBEDS_SCHEME, prompt_embeds_digest
+from omnicache.store import TensorStore
 
 if VLLM_MISSING is None:
     import vllm
@@ -425,3 +427,34 @@ def test_lookahead_hits_equal_vllms(lookahead: int) -> None:
         (0, [7, 8, 9, 10]),
         (32, [7, 8, 10, 11]),
     ]
+
+
+@needs_lookahead
+def test_lookahead_hits_serve_stored_rows_exactly() -> None:
+    """The store wrapper stamps a block once its lookahead key exists, and hits read it back."""
+    store = TensorStore(24, BLOCK_SIZE, hidden_size=HIDDEN, hidden_dtype=torch.float32)
+    wrapper = OmniKVCacheManager(manager(1), store)
+    hasher = omni_hasher(1)
+
+    def run(request_id: str, token_ids: list[int]) -> tuple[int, list[int]]:
+        req = request(hasher, request_id, token_ids=token_ids)
+        blocks, num_hit, _ = wrapper.get_computed_blocks(req)
+        assert wrapper.allocate_slots(req, req.num_tokens - num_hit, num_hit, blocks) is not None
+        req.status = RequestStatus.RUNNING
+        expected = recompute(req)["hidden_states"]
+        step = [StepRequest(request_id, req.num_tokens - num_hit, num_hit)]
+        wrapper.write_outputs(step, hidden_states=expected[num_hit:])
+        merged = wrapper.read_merged(step, hidden_states=expected[num_hit:])
+        assert merged.misses == ()
+        assert torch.equal(merged.hidden_states[request_id], expected)
+        req.num_computed_tokens = req.num_tokens
+        req.status = RequestStatus.FINISHED_STOPPED
+        wrapper.free(req)
+        stamped = [b for b in range(1, 8) if store.stamp_of("hidden_states", b) is not None]
+        return int(num_hit), stamped
+
+    text = list(range(1, 49))
+    # 48 tokens: block 2 has no key yet (it needs token 48), so it is not stamped.
+    assert run("a", text) == (0, [1, 2])
+    assert run("b", [*text, 5, 6]) == (32, [1, 2, 3])
+    assert run("c", [*text[:32], *([99] * 16)]) == (16, [1, 2, 3, 4])

@@ -48,8 +48,8 @@ built from ``mirror``), and returns prompt hidden states on request.
 
 Limits: one full-attention KV cache group whose block size equals the hash
 block size; prefix caching enabled. Lookahead block hashes (vLLM 0.33's
-``num_hash_lookahead_tokens``) are keyed as vLLM keys them; the store side
-(``manager``) is checked with them only as far as the keys go.
+``num_hash_lookahead_tokens``) are keyed as vLLM keys them: a block gets its
+key, and its stored rows their stamp, once the tokens after it exist.
 """
 
 from omnicache.integrations.vllm.block_hasher import (
