@@ -252,6 +252,29 @@ def test_mixed_prompts_key_embedding_positions_by_rows_and_others_by_token_ids()
     ]
 
 
+def test_rows_at_token_id_positions_are_not_keyed_unlike_vllm() -> None:
+    """vLLM digests every row of a block; the model reads token ids where the mask says so."""
+    text = list(range(1, 49))
+    mask = [True] * 10 + [False] * 12 + [True] * 26
+    embeds = torch.zeros(48, HIDDEN)
+    embeds[10:22] = rows(12, seed=1)
+    stray = embeds.clone()
+    stray[3] = 7.0  # a token-id position: the model never reads this row
+    scenario = [
+        ("a", {"token_ids": text, "embeds": embeds, "is_token_ids": mask}),
+        ("stray", {"token_ids": text, "embeds": stray, "is_token_ids": mask}),
+    ]
+    ours, theirs = Side(omni_hasher()), Side(vllm_hasher())
+    assert [ours.run(name, **kwargs) for name, kwargs in scenario] == [
+        (0, [1, 2, 3]),
+        (32, [1, 2, 4]),
+    ]
+    assert [theirs.run(name, **kwargs) for name, kwargs in scenario] == [
+        (0, [1, 2, 3]),
+        (0, [4, 5, 6]),
+    ]
+
+
 def test_bad_embeddings_are_refused_with_what_was_expected() -> None:
     with pytest.raises(
         ValueError,
