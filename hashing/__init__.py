@@ -15,6 +15,7 @@ from hashing._algorithms import ALGORITHMS, DEFAULT_ALGORITHM, Algorithm, digest
 from hashing._content import (
     ContentHash,
     hash_array,
+    hash_array_rows,
     hash_audio,
     hash_bytes,
     hash_content,
@@ -32,6 +33,7 @@ __all__ = [
     "ContentHash",
     "digest_size",
     "hash_array",
+    "hash_array_rows",
     "hash_audio",
     "hash_bytes",
     "hash_content",

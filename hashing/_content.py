@@ -24,6 +24,7 @@ from hashing._pil import SUPPORTED_MODES, pixel_payload
 __all__ = [
     "ContentHash",
     "hash_array",
+    "hash_array_rows",
     "hash_audio",
     "hash_bytes",
     "hash_content",
@@ -234,12 +235,51 @@ def hash_array(
     """
     encoded_context = canonical_context(context)
     canonical, dtype_name = as_canonical_array(array, "array")
-    encoder = Encoder(check_algorithm(algorithm), "array")
+    return _array_digest(canonical, dtype_name, check_algorithm(algorithm), encoded_context)
+
+
+def _array_digest(
+    canonical: np.ndarray[Any, Any], dtype_name: str, algorithm: Algorithm, encoded_context: bytes
+) -> ContentHash:
+    encoder = Encoder(algorithm, "array")
     encoder.field("dtype", dtype_name)
     encoder.field("shape", list(canonical.shape))
     encoder.blob("data", canonical.nbytes, iter_c_order_bytes(canonical))
     encoder.context(encoded_context)
     return ContentHash(encoder.digest())
+
+
+def hash_array_rows(
+    array: np.ndarray[Any, Any] | Any,
+    bounds: Sequence[tuple[int, int]],
+    /,
+    *,
+    algorithm: Algorithm = DEFAULT_ALGORITHM,
+    context: Context = None,
+) -> list[ContentHash]:
+    """Digests of row ranges of one array: ``hash_array(array[lo:hi])`` per ``(lo, hi)``.
+
+    The same digests as `hash_array` of each slice, with the array converted
+    (and a device tensor copied to the host) once rather than once a range.
+
+    Raises:
+        ValueError: the array has no rows (0-d), or a range is not ``0 <= lo
+            <= hi <= len(array)``.
+    """
+    encoded_context = canonical_context(context)
+    canonical, dtype_name = as_canonical_array(array, "array")
+    checked = check_algorithm(algorithm)
+    if canonical.ndim == 0:
+        raise ValueError("array: expected an array with rows (ndim >= 1), found a 0-d array")
+    num_rows = canonical.shape[0]
+    for index, (lo, hi) in enumerate(bounds):
+        if not 0 <= lo <= hi <= num_rows:
+            raise ValueError(
+                f"bounds[{index}]: expected 0 <= lo <= hi <= {num_rows}, found ({lo}, {hi})"
+            )
+    return [
+        _array_digest(canonical[lo:hi], dtype_name, checked, encoded_context) for lo, hi in bounds
+    ]
 
 
 def hash_video(

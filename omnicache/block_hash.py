@@ -38,10 +38,20 @@ xxh3_128)::
 position of the first of them, ``content_length`` the item's whole run length
 (`TokenRangeAnnotation.clip`).
 
-NOTE: the encoding is injective. Within one chain ``D`` and ``block_size``
-are fixed (both are in the root), so parent and tokens have a fixed length,
+Lookahead (``lookahead`` = L > 0, vLLM's ``num_hash_lookahead_tokens`` for
+speculative decoding): the root gets one more field, ``field(7, L)`` after
+``field(6, block_size)``, and key(i) covers the block's *window*, its tokens
+and the L tokens after it: ``tokens`` is ``(block_size + L) x u32`` (tokens
+``[i * block_size, (i + 1) * block_size + L)``) and the records are those of
+the annotations clipped to that window (``start`` counted from the window's
+first token). A block gets its key only once its window is complete. Without
+lookahead (L = 0) the root has six fields and the window is the block, as
+above, so those keys are unchanged.
+
+NOTE: the encoding is injective. Within one chain ``D``, ``block_size`` and ``L``
+are fixed (all are in the root), so parent and tokens have a fixed length,
 and each record states its own length, so a preimage parses one way only: a
-block without annotations is exactly ``D + 4 * block_size`` bytes and any
+block without annotations is exactly ``D + 4 * (block_size + L)`` bytes and any
 record makes it longer. The root's fields are tagged, typed and framed, so a
 salt and an adapter given the same string differ, and None differs from "".
 
@@ -93,6 +103,7 @@ _RECORD_HEAD = struct.Struct("<III")  # start, count, content_offset
 _RECORD_TAIL = struct.Struct("<II")  # content_length, hash_len
 _TYPE_NONE, _TYPE_STR, _TYPE_INT = 0, 1, 2
 _TAG_SCHEME, _TAG_ALGORITHM, _TAG_NAMESPACE, _TAG_SALT, _TAG_ADAPTER, _TAG_BLOCK_SIZE = range(1, 7)
+_TAG_LOOKAHEAD = 7
 _MAX_BLOCK_SIZE = 2**32 - 1
 
 # Per algorithm: an incremental constructor (``new(data).digest()``) and, where
@@ -164,6 +175,9 @@ class BlockHasher:
             two namespaces never share a key.
         cache_salt: a tenant's secret salt; None (no salt) differs from "".
         adapter: the adapter (LoRA) id; None (no adapter) differs from "".
+        lookahead: tokens after each block that its key covers as well (vLLM's
+            ``num_hash_lookahead_tokens``); 0, the default, for none. A block
+            then gets a key only once those tokens exist.
 
     All of these enter the root (`root`), from which every chain starts, so
     tenants, adapters, models and block sizes never share a chain.
@@ -175,6 +189,7 @@ class BlockHasher:
         "_block_size",
         "_cache_salt",
         "_digest_size",
+        "_lookahead",
         "_namespace",
         "_new",
         "_oneshot",
@@ -189,8 +204,10 @@ class BlockHasher:
         namespace: str = "",
         cache_salt: str | None = None,
         adapter: str | None = None,
+        lookahead: int = 0,
     ) -> None:
         check_int("block_size", block_size, minimum=1, maximum=_MAX_BLOCK_SIZE)
+        check_int("lookahead", lookahead, minimum=0, maximum=_MAX_BLOCK_SIZE - block_size)
         self._digest_size = digest_size(algorithm)  # ValueError for an unknown algorithm
         check_str("namespace", namespace)
         self._algorithm = algorithm
@@ -198,6 +215,7 @@ class BlockHasher:
         self._namespace = namespace
         self._cache_salt = check_optional_str("cache_salt", cache_salt)
         self._adapter = check_optional_str("adapter", adapter)
+        self._lookahead = lookahead
         self._new, self._oneshot = _DIGESTERS[algorithm]
         preimage = b"".join(
             (
@@ -209,6 +227,8 @@ class BlockHasher:
                 _field(_TAG_BLOCK_SIZE, block_size, "block_size"),
             )
         )
+        if lookahead:
+            preimage += _field(_TAG_LOOKAHEAD, lookahead, "lookahead")
         self._root = BlockHash(self._new(preimage).digest())
 
     @property
@@ -241,12 +261,19 @@ class BlockHasher:
     def adapter(self) -> str | None:
         return self._adapter
 
+    @property
+    def lookahead(self) -> int:
+        """Tokens after each block that its key covers (0: none)."""
+        return self._lookahead
+
     def __repr__(self) -> str:
         # NOTE: a salt isolates a tenant; it does not belong in logs.
         salt = None if self._cache_salt is None else "<set>"
+        lookahead = f", lookahead={self._lookahead}" if self._lookahead else ""
         return (
             f"BlockHasher(block_size={self._block_size}, algorithm={self._algorithm!r}, "
-            f"namespace={self._namespace!r}, cache_salt={salt}, adapter={self._adapter!r})"
+            f"namespace={self._namespace!r}, cache_salt={salt}, adapter={self._adapter!r}"
+            f"{lookahead})"
         )
 
     def hash_blocks(
@@ -272,12 +299,13 @@ class BlockHasher:
 
         Returns:
             One key per full block ``start_block, start_block + 1, ...``; a
-            trailing partial block gets none.
+            trailing partial block gets none, and with ``lookahead`` (L) nor
+            does a block followed by fewer than L tokens.
         """
         if not isinstance(tokens, AnnotatedTokens):
             tokens = AnnotatedTokens(tokens)
         block_size = self._block_size
-        num_full_blocks = len(tokens) // block_size
+        num_full_blocks = max(0, len(tokens) - self._lookahead) // block_size
         check_int("start_block", start_block)
         if not 0 <= start_block <= num_full_blocks:
             raise ValueError(
@@ -318,7 +346,7 @@ class BlockHasher:
         """
         num_done = len(block_hashes)
         block_size = self._block_size
-        num_full_blocks = len(tokens) // block_size
+        num_full_blocks = max(0, len(tokens) - self._lookahead) // block_size
         if num_done >= num_full_blocks:
             if num_done > num_full_blocks:
                 raise ValueError(
@@ -336,7 +364,7 @@ class BlockHasher:
                 f"block_hashes[-1]: expected a {self._digest_size}-byte {self._algorithm} key, "
                 f"found {_describe_key(parent)}"
             )
-        if num_full_blocks - num_done == 1:
+        if num_full_blocks - num_done == 1 and not self._lookahead:
             return [self._one_block(tokens, parent, num_done)]
         return self._chain(tokens, parent, num_done, num_full_blocks)
 
@@ -364,6 +392,8 @@ class BlockHasher:
         num_blocks = num_full_blocks - start_block
         if num_blocks == 0:
             return []
+        if self._lookahead:
+            return self._chain_windows(tokens, parent, start_block, num_full_blocks)
         data = tokens.packed(start_block * block_size, num_full_blocks * block_size)
         records = self._records(tokens.annotations, start_block, num_blocks)
         step = 4 * block_size
@@ -392,6 +422,28 @@ class BlockHasher:
             for offset, record in zip(offsets, records, strict=True):
                 parent = new(parent + data[offset : offset + step] + record).digest()
                 append(parent)
+        return keys
+
+    def _chain_windows(
+        self, tokens: AnnotatedTokens, parent: bytes, start_block: int, num_full_blocks: int
+    ) -> list[BlockHash]:
+        """`_chain` with lookahead: each key covers its block and the next L tokens."""
+        block_size = self._block_size
+        span = block_size + self._lookahead
+        new = self._new
+        keys: list[BlockHash] = []
+        for block in range(start_block, num_full_blocks):
+            start = block * block_size
+            preimage = parent + tokens.packed(start, start + span)
+            for ann in tokens.clipped_annotations(start, start + span):
+                content_hash = ann.content_hash
+                preimage += (
+                    _RECORD_HEAD.pack(ann.token_index, ann.token_count, ann.content_offset)
+                    + _RECORD_TAIL.pack(ann.content_length, len(content_hash))
+                    + content_hash
+                )
+            parent = new(preimage).digest()
+            keys.append(BlockHash(parent))
         return keys
 
     def _records(

@@ -21,6 +21,7 @@ from hashing import (
     ALGORITHMS,
     ContentHash,
     hash_array,
+    hash_array_rows,
     hash_audio,
     hash_bytes,
     hash_content,
@@ -262,6 +263,27 @@ def test_bfloat16_tensors_hash_by_value_and_dtype() -> None:
     assert hash_array(values) != hash_array(values.view(torch.int16))
     assert hash_array(values) != hash_array(values.to(torch.float16))
     assert hash_array(values[::2]) == hash_array(values[::2].contiguous())
+
+
+def test_row_range_digests_equal_the_digests_of_the_slices() -> None:
+    bounds = [(0, 4), (4, 5), (5, 5), (2, 9)]
+    context = {"scheme": "rows", "item": b"\x01"}
+    for rows in (
+        torch.arange(72, dtype=torch.float32).reshape(9, 8),
+        torch.arange(72, dtype=torch.float32).reshape(9, 8).to(torch.bfloat16),
+        np.arange(144, dtype=np.int16).reshape(9, 16)[:, ::2],  # strided
+    ):
+        expected = [hash_array(rows[lo:hi], context=context) for lo, hi in bounds]
+        assert hash_array_rows(rows, bounds, context=context) == expected
+        assert hash_array_rows(rows, bounds, algorithm="sha256") == [
+            hash_array(rows[lo:hi], algorithm="sha256") for lo, hi in bounds
+        ]
+    with pytest.raises(
+        ValueError, match=r"^bounds\[1\]: expected 0 <= lo <= hi <= 3, found \(2, 4\)$"
+    ):
+        hash_array_rows(np.zeros((3, 2)), [(0, 1), (2, 4)])
+    with pytest.raises(ValueError, match=r"^array: expected an array with rows \(ndim >= 1\)"):
+        hash_array_rows(np.ones(()), [(0, 0)])
 
 
 def test_big_endian_input_equals_little_endian() -> None:

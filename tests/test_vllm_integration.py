@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from hashing import ContentHash, hash_array, hash_audio, hash_bytes, hash_identifier, hash_image
+from hashing import ContentHash, hash_audio, hash_bytes, hash_identifier, hash_image
 from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
 from omnicache.block_hash import BlockHash, BlockHasher, block_hash_low64
 from omnicache.integrations.vllm import (
@@ -43,6 +43,7 @@ from omnicache.integrations.vllm.identifiers import (
     checked_multi_modal_uuids,
 )
 from omnicache.integrations.vllm.kv_cache import new_kv_cache_manager
+from omnicache.integrations.vllm.prompt_embeds import prompt_embeds_digest
 from omnicache.store import ScheduledRequest, StaleBlockError, TensorStore
 from omnicache.tiers.base import value_key
 from omnicache.tiers.memory import MemoryTier
@@ -592,6 +593,9 @@ def test_identifier_forms_lora_prefix_and_client_uuids() -> None:
         h.request("i", prompt, [image_feature(7, 16, 32)])  # type: ignore[arg-type]
 
 
+PIECES_40 = [(0, 16), (16, 32), (32, 40)]
+
+
 @needs_vllm
 def test_prompt_embeds_enter_the_keys() -> None:
     h = Harness()
@@ -610,10 +614,13 @@ def test_prompt_embeds_enter_the_keys() -> None:
     first = embeds_request("a", embeds)
     same = embeds_request("b", embeds.clone())
     other = embeds_request("c", embeds + 1)
-    digest = hash_array(embeds)
-    assert first.block_hashes == omnicache_keys(
-        [0] * 40, [TokenRangeAnnotation(0, 40, digest, 0, 40)]
-    )
+    # One digest per block of rows (the tail's rows are in no key: no full block).
+    digests = [prompt_embeds_digest(embeds[lo:hi], algorithm="blake3") for lo, hi in PIECES_40]
+    pieces = [
+        TokenRangeAnnotation(lo, hi - lo, digest, 0, hi - lo)
+        for (lo, hi), digest in zip(PIECES_40, digests, strict=True)
+    ]
+    assert first.block_hashes == omnicache_keys([0] * 40, pieces)
     assert same.block_hashes == first.block_hashes
     assert set(other.block_hashes).isdisjoint(first.block_hashes)
 
@@ -668,12 +675,17 @@ def test_install_block_hasher_into_engine_core() -> None:
         install_block_hasher(core)
     core.scheduler.requests = {}
     core.vllm_config.num_hash_lookahead_tokens = 1
-    if vllm.__version__.startswith("0.33."):
-        with pytest.raises(ValueError, match=r"num_hash_lookahead_tokens == 0 .*found 1"):
+    # vLLM 0.32 has no lookahead block hashes: the setting is not read there.
+    expected_lookahead = 1 if vllm.__version__.startswith("0.33.") else 0
+    assert install_block_hasher(core).lookahead == expected_lookahead
+    core.vllm_config.num_hash_lookahead_tokens = -1
+    if expected_lookahead:
+        with pytest.raises(
+            ValueError,
+            match=r"^vllm_config\.num_hash_lookahead_tokens: expected int >= 0, found -1$",
+        ):
             install_block_hasher(core)
-    else:
-        # vLLM 0.32 has no lookahead block hashes: the setting is not read.
-        assert isinstance(install_block_hasher(core), RequestBlockHasher)
+    core.vllm_config.num_hash_lookahead_tokens = 0
     core.request_block_hasher = None
     with pytest.raises(ValueError, match=r"expected prefix caching enabled"):
         install_block_hasher(core)

@@ -22,7 +22,8 @@ one module each, beside ``common`` (vLLM's version gate, `INSTALL_HINT`):
 1. ``block_hasher``: `RequestBlockHasher` is a drop-in ``block_hasher`` for
    ``vllm.v1.request.Request``: it returns the omnicache keys
    (`omnicache.block_hash.BlockHasher`) of the request's new full blocks, from
-   its token ids and its ``mm_features``. `install_block_hasher` puts it into
+   its token ids, its ``mm_features`` and its ``prompt_embeds`` (one digest
+   per block of rows, ``prompt_embeds``). `install_block_hasher` puts it into
    an ``EngineCore``; `make_request` builds a bare ``Request`` with it.
 2. ``identifiers``: `content_identifier`, `multi_modal_uuids` and
    `make_mm_features` turn vLLM's multimodal inputs (PIL images,
@@ -46,8 +47,9 @@ the process that runs the model keeps each step's hidden states in a store
 built from ``mirror``), and returns prompt hidden states on request.
 
 Limits: one full-attention KV cache group whose block size equals the hash
-block size; no lookahead block hashes (EAGLE's
-``num_hash_lookahead_tokens``); prefix caching enabled.
+block size; prefix caching enabled. Lookahead block hashes (vLLM 0.33's
+``num_hash_lookahead_tokens``) are keyed as vLLM keys them: a block gets its
+key, and its stored rows their stamp, once the tokens after it exist.
 """
 
 from omnicache.integrations.vllm.block_hasher import (

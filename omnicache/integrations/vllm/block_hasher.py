@@ -13,12 +13,13 @@ import json
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from hashing import DEFAULT_ALGORITHM, Algorithm, digest_size, hash_array, hash_identifier
+from hashing import DEFAULT_ALGORITHM, Algorithm, digest_size, hash_identifier
 from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
 from omnicache.block_hash import DEFAULT_BLOCK_ALGORITHM, BlockHash, BlockHasher
 from omnicache.checks import check_bool, check_int, check_str, type_name
 from omnicache.integrations.vllm.common import vllm_series
 from omnicache.integrations.vllm.identifiers import HEX_DIGEST, UUID_NAMESPACE
+from omnicache.integrations.vllm.prompt_embeds import flag_runs, prompt_embeds_annotations
 
 if TYPE_CHECKING:
     from vllm.multimodal.inputs import MultiModalFeatureSpec
@@ -44,30 +45,6 @@ def adapter_id(lora_request: object | None, /) -> str | None:
     name = check_str("lora_request.lora_name", getattr(lora_request, "lora_name", None))
     path = check_str("lora_request.lora_path", getattr(lora_request, "lora_path", None))
     return json.dumps([name, path], ensure_ascii=False, separators=(",", ":"))
-
-
-def _embed_runs(is_embed: Any, length: int, where: str) -> list[tuple[int, int]]:
-    """``[start, stop)`` runs of the placeholder positions that receive embeddings."""
-    if is_embed is None:
-        return [(0, length)]
-    flags = is_embed.tolist() if hasattr(is_embed, "tolist") else list(is_embed)
-    if len(flags) != length:
-        raise ValueError(
-            f"{where}.mm_position.is_embed: expected {length} flags (one per placeholder "
-            f"token), found {len(flags)}"
-        )
-    runs: list[tuple[int, int]] = []
-    run_start = -1
-    for index, flag in enumerate(flags):
-        if flag:
-            if run_start < 0:
-                run_start = index
-        elif run_start >= 0:
-            runs.append((run_start, index))
-            run_start = -1
-    if run_start >= 0:
-        runs.append((run_start, length))
-    return runs
 
 
 def _clip_runs(
@@ -112,11 +89,19 @@ class RequestBlockHasher:
       receive embeddings are annotated (each with its position in the
       placeholder range): the other placeholder tokens (image breaks, start
       and end markers) are ordinary tokens whose KV does not depend on the item;
-    - prompt embeddings (``request.prompt_embeds``): one item whose digest is
-      `hashing.hash_array` of the embeddings, over the positions they fill;
+    - prompt embeddings (``request.prompt_embeds``): over the positions they
+      fill (all prompt positions, or those ``prompt_is_token_ids`` marks
+      False), one annotation per block of rows, whose digest covers those
+      rows only, so shared embedding prefixes share blocks; where the rows lie
+      over a multimodal item, one annotation names both (see
+      `omnicache.integrations.vllm.prompt_embeds`);
     - the root: ``namespace`` (the model), ``request.cache_salt`` and the
       request's LoRA (`adapter_id`), so tenants and adapters never share a
       chain.
+
+    Token ids are ints in ``[0, 2**32)``; any other is a ValueError naming
+    it. Real tokenizers never produce a negative id; vLLM's own tests use -1
+    as a placeholder id, which is refused here.
 
     Args:
         block_size: vLLM's hash block size.
@@ -125,6 +110,12 @@ class RequestBlockHasher:
         content_algorithm: algorithm of the digests this hasher makes itself
             (client uuids, prompt embeddings).
         max_roots: chain roots (one per salt and adapter) kept ready.
+        lookahead: vLLM 0.33's ``num_hash_lookahead_tokens`` (L, for EAGLE-
+            style drafters): block i's key is returned only once the L tokens
+            after it exist, and covers those tokens and the annotations over
+            them too, so two requests share block i only if they also agree
+            on the next L tokens (`BlockHasher`'s ``lookahead``). 0 (the
+            default) keys each block by its own tokens.
         trust_hex_identifiers: take an identifier that reads as a hex digest
             as that digest (True, the default: identifiers come from
             `multi_modal_uuids` or vLLM's own hasher). Pass False where
@@ -141,6 +132,7 @@ class RequestBlockHasher:
         "_block_size",
         "_content_algorithm",
         "_hashers",
+        "_lookahead",
         "_max_roots",
         "_namespace",
         "_trust_hex_identifiers",
@@ -155,8 +147,11 @@ class RequestBlockHasher:
         content_algorithm: Algorithm = DEFAULT_ALGORITHM,
         max_roots: int = 1024,
         trust_hex_identifiers: bool = True,
+        lookahead: int = 0,
     ) -> None:
-        base = BlockHasher(block_size, algorithm=algorithm, namespace=namespace)
+        base = BlockHasher(
+            block_size, algorithm=algorithm, namespace=namespace, lookahead=lookahead
+        )
         check_bool("trust_hex_identifiers", trust_hex_identifiers)
         digest_size(content_algorithm)  # ValueError for an unknown algorithm
         check_int("max_roots", max_roots, minimum=1)
@@ -166,6 +161,7 @@ class RequestBlockHasher:
         self._content_algorithm = content_algorithm
         self._max_roots = max_roots
         self._trust_hex_identifiers = trust_hex_identifiers
+        self._lookahead = lookahead
         self._hashers: dict[tuple[str | None, str | None], BlockHasher] = {(None, None): base}
 
     @property
@@ -180,10 +176,16 @@ class RequestBlockHasher:
     def namespace(self) -> str:
         return self._namespace
 
+    @property
+    def lookahead(self) -> int:
+        """Tokens after each block that its key covers (vLLM's ``num_hash_lookahead_tokens``)."""
+        return self._lookahead
+
     def __repr__(self) -> str:
+        lookahead = f", lookahead={self._lookahead}" if self._lookahead else ""
         return (
             f"RequestBlockHasher(block_size={self._block_size}, algorithm={self._algorithm!r}, "
-            f"namespace={self._namespace!r})"
+            f"namespace={self._namespace!r}{lookahead})"
         )
 
     def hasher_for(self, cache_salt: str | None, adapter: str | None) -> BlockHasher:
@@ -197,6 +199,7 @@ class RequestBlockHasher:
                 namespace=self._namespace,
                 cache_salt=cache_salt,
                 adapter=adapter,
+                lookahead=self._lookahead,
             )
             if len(self._hashers) >= self._max_roots:
                 # Oldest first: a dropped root costs one digest to rebuild.
@@ -205,15 +208,19 @@ class RequestBlockHasher:
         return hasher
 
     def __call__(self, request: Request) -> list[BlockHash]:
-        """Keys of the request's full blocks beyond ``request.block_hashes``."""
+        """Keys of the request's full blocks beyond ``request.block_hashes``.
+
+        With ``lookahead`` (L) tokens, block i gets its key once the L tokens
+        after it exist, and the key covers them too (see `BlockHasher`).
+        """
         block_hashes = request.block_hashes
         num_done = len(block_hashes)
         block_size = self._block_size
-        num_tokens = request.num_tokens
-        if (num_done + 1) * block_size > num_tokens:
+        num_hashable = request.num_tokens - self._lookahead
+        if (num_done + 1) * block_size > num_hashable:
             return []
         start = num_done * block_size
-        stop = num_tokens - num_tokens % block_size
+        stop = num_hashable - num_hashable % block_size + self._lookahead
         tokens = AnnotatedTokens(
             request.all_token_ids[start:stop], self._annotations(request, start, stop)
         )
@@ -234,8 +241,15 @@ class RequestBlockHasher:
             if last.offset + last.length > start:
                 self._feature_annotations(request, start, stop, out)
         if request.prompt_embeds is not None and start < request.num_prompt_tokens:
-            self._embeds_annotations(request, start, stop, out)
-            out.sort(key=lambda annotation: annotation.token_index)
+            return prompt_embeds_annotations(
+                request,
+                out,
+                start,
+                stop,
+                block_size=self._block_size,
+                lookahead=self._lookahead,
+                algorithm=self._content_algorithm,
+            )
         return out
 
     def _feature_annotations(
@@ -264,7 +278,9 @@ class RequestBlockHasher:
             prev_end = end
             if end <= start or offset >= stop:
                 continue
-            runs = _embed_runs(position.is_embed, length, where)
+            runs = flag_runs(
+                position.is_embed, length, f"{where}.mm_position.is_embed", "placeholder token"
+            )
             content_hash = self._content_hash(feature, lora_prefix, where)
             _clip_runs(runs, offset, length, content_hash, start, stop, out)
 
@@ -286,19 +302,6 @@ class RequestBlockHasher:
             namespace=f"{UUID_NAMESPACE}/{modality}",
             algorithm=self._content_algorithm,
         )
-
-    def _embeds_annotations(
-        self, request: Request, start: int, stop: int, out: list[TokenRangeAnnotation]
-    ) -> None:
-        num_prompt = request.num_prompt_tokens
-        mask = request.prompt_is_token_ids
-        if mask is None:
-            runs = [(0, num_prompt)]
-        else:
-            # Positions filled from the embeddings are those that are not token ids.
-            runs = _embed_runs([not flag for flag in mask], num_prompt, "prompt_is_token_ids")
-        digest = hash_array(request.prompt_embeds, algorithm=self._content_algorithm)
-        _clip_runs(runs, 0, num_prompt, digest, start, stop, out)
 
 
 def install_block_hasher(
@@ -324,9 +327,13 @@ def install_block_hasher(
     Returns:
         The hasher installed.
 
+    With vLLM 0.33's lookahead block hashes (``num_hash_lookahead_tokens``,
+    for EAGLE-style drafters) the hasher's ``lookahead`` is that setting, so a
+    block gets its key when vLLM's own hasher would give it one; vLLM 0.32
+    has no such setting.
+
     Raises:
-        ValueError: prefix caching is off, or the engine uses lookahead block
-            hashes (EAGLE), which omnicache keys do not cover.
+        ValueError: prefix caching is off.
         RuntimeError: the scheduler already holds requests keyed otherwise.
     """
     series = vllm_series()
@@ -371,16 +378,15 @@ def scheduler_block_hasher(
 ) -> RequestBlockHasher:
     """The `RequestBlockHasher` of an engine of ``vllm_config`` (see `install_block_hasher`).
 
-    Raises:
-        ValueError: the engine uses lookahead block hashes (EAGLE), which
-            omnicache keys do not cover.
+    Its ``lookahead`` is ``vllm_config.num_hash_lookahead_tokens`` on vLLM
+    0.33 and 0 on 0.32, which has no lookahead block hashes.
     """
-    # NOTE: vLLM 0.32 has no lookahead block hashes (the setting came in 0.33).
-    lookahead = 0 if series == "0.32." else vllm_config.num_hash_lookahead_tokens
-    if lookahead:
-        raise ValueError(
-            f"engine_core: expected num_hash_lookahead_tokens == 0 (omnicache keys cover a "
-            f"block's own tokens only), found {lookahead}"
+    lookahead = 0
+    if series != "0.32.":
+        lookahead = check_int(
+            "vllm_config.num_hash_lookahead_tokens",
+            vllm_config.num_hash_lookahead_tokens,
+            minimum=0,
         )
     return RequestBlockHasher(
         hash_block_size,
@@ -388,6 +394,7 @@ def scheduler_block_hasher(
         namespace=vllm_config.model_config.model if namespace is None else namespace,
         content_algorithm=content_algorithm,
         trust_hex_identifiers=trust_hex_identifiers,
+        lookahead=lookahead,
     )
 
 
