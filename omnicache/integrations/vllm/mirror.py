@@ -176,17 +176,18 @@ class StoreMirror:
         for req_id, start, num_new in scheduled:
             allocation = self._allocated.pop(req_id, None)
             load = self._loaded.pop(req_id, None)
-            loaded_ids = () if load is None else load.block_ids
+            if load is not None:
+                # NOTE: a scheduled request's external tokens count as
+                # computed in vLLM: their KV is loaded whatever the rows' plan.
+                loads.append(load)
             if allocation is None or (allocation.start, allocation.num_new) != (start, num_new):
                 if allocation is not None:
                     undone.update(dict.fromkeys(allocation.block_ids))
-                undone.update(dict.fromkeys(loaded_ids))
                 requests.append(PlannedRequest(req_id, start, num_new))
                 continue
             hit_ids, hit_keys = self._manager.hit_blocks(req_id)
             if load is not None:
                 hit_ids, hit_keys = hit_ids + load.block_ids, hit_keys + load.block_keys
-                loads.append(load)
             if start != len(hit_ids) * self._block_size:
                 hit_ids, hit_keys = (), ()
             requests.append(
@@ -195,8 +196,8 @@ class StoreMirror:
             block_keys.update(allocation.block_keys)
         for allocation in self._allocated.values():
             undone.update(dict.fromkeys(allocation.block_ids))
-        for load in self._loaded.values():
-            undone.update(dict.fromkeys(load.block_ids))
+        for unscheduled in self._loaded.values():
+            undone.update(dict.fromkeys(unscheduled.block_ids))
         if undone:
             self._manager.store.invalidate(list(undone))
         plan = StepPlan(
