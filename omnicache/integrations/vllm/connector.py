@@ -157,7 +157,7 @@ class OmniStepMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 
 class OmniStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    """A KV connector that loads and saves nothing and carries the store's plan (see the module)."""
+    """A KV connector carrying the store's plan; with a tier it loads blocks (see the module)."""
 
     def __init__(
         self,
