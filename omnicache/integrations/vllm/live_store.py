@@ -3,7 +3,9 @@
 The worker that runs the model applies each step's `StepPlan` (from the
 scheduler) to the rows the model produced, in the plan's order:
 
-1. ``reset`` and ``cleared_block_ids``: stamps of blocks vLLM handed out again;
+1. ``reset`` and ``cleared_block_ids``: stamps of blocks vLLM handed out again
+   (`LiveStore.begin`: the connector applies it before it loads blocks from
+   a tier, which then stamps the blocks it fills);
 2. the step's rows, written at the forward pass's own slot mapping (the KV
    cache's slots), stamped with the plan's keys when the slots are those the
    scheduler planned (otherwise written without keys: nothing stamped);
@@ -13,6 +15,10 @@ scheduler) to the rows the model produced, in the plan's order:
    and is never served; requests that asked for their prompt's hidden states
    get the hit blocks' rows from the store and the rest from the step's rows
    (`TensorStore.read_merged`).
+
+A request whose tier load failed (`LiveStore.fail_loads`) was computed over
+KV that is not its own: its rows stamp nothing and feed no prompt result, and
+its hit is not verified (vLLM recomputes it from the failed block on).
 
 Writes come before reads because vLLM caches a block as soon as it is
 allocated: a request scheduled in the same step as the one computing a block
@@ -34,6 +40,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from omnicache.block_hash import BlockHash
 from omnicache.checks import check_int, check_str, type_name
 from omnicache.integrations.vllm.step_plan import PlannedRequest, StepPlan, planned_slots
 from omnicache.store import HIDDEN_STATES, ScheduledRequest, TensorStore
@@ -56,6 +63,8 @@ class LiveStoreStats:
     num_stale_hit_blocks: int = 0
     # Steps whose slot mapping differed from the scheduler's plan.
     num_slot_mismatches: int = 0
+    # Requests whose rows were dropped: their tier load failed.
+    num_failed_load_requests: int = 0
     num_prompt_results: int = 0
     num_prompt_failures: int = 0
     num_results_dropped: int = 0
@@ -110,11 +119,32 @@ class LiveStore:
         self._prompts: dict[str, _Prompt] = {}
         self._results: OrderedDict[str, torch.Tensor | None] = OrderedDict()
         self._stats = LiveStoreStats()
+        self._begun: StepPlan | None = None
+        self._failed: set[str] = set()
 
     @property
     def stats(self) -> LiveStoreStats:
         """A snapshot of the counters."""
         return replace(self._stats, num_pending_results=len(self._results))
+
+    def begin(self, plan: StepPlan) -> None:
+        """Applies the start of a step's plan: cleared stamps, new prompt requests (once)."""
+        if self._begun is plan:
+            return
+        self._begun = plan
+        self._failed.clear()
+        store = self.store
+        if plan.reset:
+            store.invalidate_all()
+        if plan.cleared_block_ids:
+            store.invalidate(plan.cleared_block_ids)
+            self._stats.num_cleared_blocks += len(plan.cleared_block_ids)
+        for req_id, num_tokens in plan.prompt_requests.items():
+            self._prompts[req_id] = _Prompt(num_tokens)
+
+    def fail_loads(self, req_ids: Iterable[str]) -> None:
+        """Marks requests of the begun step whose tier load failed (see the module)."""
+        self._failed.update(req_ids)
 
     def apply(
         self,
@@ -122,7 +152,7 @@ class LiveStore:
         batch_order: Sequence[str] = (),
         hidden_states: torch.Tensor | None = None,
         slot_mapping: torch.Tensor | None = None,
-    ) -> None:
+    ) -> dict[int, BlockHash]:
         """Applies one step: its plan, and the rows the model produced for it.
 
         Args:
@@ -133,29 +163,33 @@ class LiveStore:
             slot_mapping: the forward pass's slot of each row (padding after
                 the scheduled tokens).
 
+        Returns:
+            Block id -> key of the blocks the step's rows stamped.
+
         Raises:
             RuntimeError: the rows' requests are not the plan's.
         """
         store = self.store
         self._stats.num_steps += 1
-        if plan.reset:
-            store.invalidate_all()
-        if plan.cleared_block_ids:
-            store.invalidate(plan.cleared_block_ids)
-            self._stats.num_cleared_blocks += len(plan.cleared_block_ids)
-        for req_id, num_tokens in plan.prompt_requests.items():
-            self._prompts[req_id] = _Prompt(num_tokens)
+        self.begin(plan)
+        failed, self._failed = set(self._failed), set()
+        self._begun = None
+        self._stats.num_failed_load_requests += len(failed)
         batch: list[PlannedRequest] = []
+        stamped: dict[int, BlockHash] = {}
         if hidden_states is not None and plan.requests:
             batch = self._batch(plan, batch_order)
-            self._write(plan, batch, hidden_states, slot_mapping)
+            stamped = self._write(plan, batch, hidden_states, slot_mapping, failed)
         if plan.invalidated_block_ids:
             store.invalidate(plan.invalidated_block_ids)
+            for block_id in plan.invalidated_block_ids:
+                stamped.pop(block_id, None)
         if batch and hidden_states is not None:
-            self._read(batch, hidden_states)
+            self._read(batch, hidden_states, failed)
         for req_id in plan.finished_req_ids:
             if self._prompts.pop(req_id, None) is not None:
                 self._stats.num_incomplete_dropped += 1
+        return stamped
 
     def take(self, request_ids: Iterable[str]) -> dict[str, torch.Tensor | None]:
         """Removes and returns the prompt results of the requests that have one.
@@ -187,29 +221,42 @@ class LiveStore:
         batch: list[PlannedRequest],
         hidden_states: torch.Tensor,
         slot_mapping: torch.Tensor | None,
-    ) -> None:
+        failed: set[str],
+    ) -> dict[int, BlockHash]:
         if not plan.caching:
-            return
+            return {}
         if slot_mapping is None:
             raise RuntimeError("step: expected the forward pass's slot mapping, found none")
         num_rows = sum(item.num_new for item in batch)
         slots = slot_mapping[:num_rows].to("cpu", torch.int64).numpy()
         planned = planned_slots(batch, self.store.block_size)
-        keys = plan.block_keys
+        keys = dict(plan.block_keys)
+        for item in batch:
+            if item.req_id in failed:
+                # NOTE: rows computed over KV that did not load: never stamped.
+                for block_id in item.block_ids:
+                    keys.pop(block_id, None)
         if planned is None or not np.array_equal(planned, slots):
             # NOTE: rows written without keys clear the stamps of every block
             # they touch: the scheduler's mirror may then promise a hit the
             # worker cannot serve, which the read check counts.
             self._stats.num_slot_mismatches += 1
             keys = {}
-        self.store.write(HIDDEN_STATES, hidden_states, slots, block_keys=keys, num_tokens=num_rows)
+        result = self.store.write(
+            HIDDEN_STATES, hidden_states, slots, block_keys=keys, num_tokens=num_rows
+        )
         self._stats.num_rows_written += num_rows
+        return {block_id: keys[block_id] for block_id in result.stamped_block_ids}
 
-    def _read(self, batch: list[PlannedRequest], hidden_states: torch.Tensor) -> None:
+    def _read(
+        self, batch: list[PlannedRequest], hidden_states: torch.Tensor, failed: set[str]
+    ) -> None:
         offset = 0
         for item in batch:
             rows = hidden_states[offset : offset + item.num_new]
             offset += item.num_new
+            if item.req_id in failed:
+                continue
             if item.hit_block_ids:
                 self._stats.num_hit_requests += 1
                 self._stats.num_hit_blocks += len(item.hit_block_ids)

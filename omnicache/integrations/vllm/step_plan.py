@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from omnicache.block_hash import BlockHash
 
-__all__ = ["PlannedRequest", "StepPlan", "block_ids_of", "planned_slots"]
+__all__ = ["LoadOrder", "PlannedRequest", "StepPlan", "block_ids_of", "planned_slots"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,14 +38,27 @@ class PlannedRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class LoadOrder:
+    """Blocks of one request to fill from a tier before the step's forward pass."""
+
+    req_id: str
+    block_ids: tuple[int, ...]
+    block_keys: tuple[BlockHash, ...]
+    # Per block, its tier values (one per tier entry, in the entries' order),
+    # fetched and verified by the scheduler.
+    values: tuple[tuple[bytes, ...], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     """One step of the scheduler, as the worker's store needs it.
 
     The worker applies a plan in this order: ``reset`` and
     ``cleared_block_ids`` (blocks vLLM handed out again or dropped the key
-    of), the step's rows (stamping the full blocks of ``block_keys`` they
-    complete), ``invalidated_block_ids`` (allocations the scheduler did not
-    schedule after all), then the reads of hits.
+    of), ``loads`` (before the forward pass), the step's rows (stamping the
+    full blocks of ``block_keys`` they complete), ``invalidated_block_ids``
+    (allocations the scheduler did not schedule after all), then the reads
+    of hits.
     """
 
     # Prefix caching on: rows are written into the store and hits read from it.
@@ -61,6 +74,9 @@ class StepPlan:
     invalidated_block_ids: tuple[int, ...] = ()
     # Requests that finished (or were aborted) since the previous step.
     finished_req_ids: tuple[str, ...] = ()
+    # Blocks to fill from a tier before the forward pass (each also part of
+    # its request's hit).
+    loads: tuple[LoadOrder, ...] = ()
 
 
 def block_ids_of(slots: npt.NDArray[np.int64], block_size: int) -> tuple[int, ...]:

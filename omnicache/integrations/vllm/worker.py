@@ -19,6 +19,11 @@ prefix caching on, the `OmniScheduler`.
   on the CPU (its size: KV blocks x block size x hidden size values).
 - After each step, `LiveStore.apply` writes the rows, verifies the step's
   hits and gathers the prompt rows of requests that asked.
+- With a tier (see the connector), the connector's worker side is given the
+  store; it fills blocks from the tier before the forward pass, and after
+  `LiveStore.apply` the worker saves every block the step stamped (KV of
+  every layer and hidden rows) to the tier. ``collective_rpc(FLUSH_METHOD)``
+  waits until they are written.
 
 Results are taken with ``LLM.collective_rpc(TAKE_METHOD, args=(ids,))``, or
 `take_prompt_hidden_states` (the ids are those of ``kv_transfer_params``,
@@ -41,17 +46,27 @@ import torch
 
 from omnicache.checks import type_name
 from omnicache.integrations.vllm.common import CONNECTOR_NAME, WORKER_CLS, vllm_series
-from omnicache.integrations.vllm.connector import REQUEST_ID_PARAM, OmniStepMetadata
+from omnicache.integrations.vllm.connector import (
+    REQUEST_ID_PARAM,
+    OmniStepMetadata,
+    OmniStoreConnector,
+)
+from omnicache.integrations.vllm.kv_tier import WorkerTier
 from omnicache.integrations.vllm.live_store import LiveStore
 from omnicache.store import TensorStore
 
 vllm_series()  # vLLM imports this module by name: fail here, with the install hint.
 
+from vllm.distributed.kv_transfer import (  # noqa: E402
+    get_kv_transfer_group,
+    has_kv_transfer_group,
+)
 from vllm.forward_context import get_forward_context  # noqa: E402
 from vllm.v1.worker.cpu_worker import CPUWorker  # noqa: E402
 
 __all__ = [
     "DEFAULT_MAX_PROMPT_RESULTS",
+    "FLUSH_METHOD",
     "STATS_METHOD",
     "TAKE_METHOD",
     "WORKER_CLS",
@@ -63,6 +78,7 @@ __all__ = [
 
 TAKE_METHOD = "omni_take_prompt_hidden_states"
 STATS_METHOD = "omni_live_store_stats"
+FLUSH_METHOD = "omni_tier_flush"
 DEFAULT_MAX_PROMPT_RESULTS = 256
 
 
@@ -131,6 +147,7 @@ class OmniCPUWorker(CPUWorker):  # type: ignore[misc]
             )
         self._omni_capture: _Capture | None = None
         self._omni_layer: str | None = None
+        self._omni_tier: WorkerTier | None = None
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
@@ -155,6 +172,13 @@ class OmniCPUWorker(CPUWorker):  # type: ignore[misc]
         self.omni_store = LiveStore(
             store, max_results=extra.get("max_prompt_results", DEFAULT_MAX_PROMPT_RESULTS)
         )
+        connector = get_kv_transfer_group() if has_kv_transfer_group() else None
+        if not isinstance(connector, OmniStoreConnector):
+            raise RuntimeError(
+                f"{WORKER_CLS}: expected {CONNECTOR_NAME} as the worker's KV connector, found "
+                f"{type_name(connector)}"
+            )
+        self._omni_tier = connector.attach(self.omni_store)
 
     def execute_model(self, scheduler_output: Any) -> Any:
         metadata = scheduler_output.kv_connector_metadata
@@ -175,8 +199,12 @@ class OmniCPUWorker(CPUWorker):  # type: ignore[misc]
             raise RuntimeError(
                 f"{WORKER_CLS}: expected one forward pass per step, found {capture.num_calls}"
             )
-        live.apply(metadata.plan, capture.batch_order, capture.hidden_states, capture.slots)
+        stamped = live.apply(
+            metadata.plan, capture.batch_order, capture.hidden_states, capture.slots
+        )
         capture.hidden_states = capture.slots = None
+        if self._omni_tier is not None:
+            self._omni_tier.save(live.store, stamped)
         return output
 
     # -- collective_rpc methods ------------------------------------------------------
@@ -197,13 +225,24 @@ class OmniCPUWorker(CPUWorker):  # type: ignore[misc]
             for req_id, rows in self.omni_store.take(request_ids).items()
         }
 
-    def omni_live_store_stats(self) -> dict[str, int]:
-        """The live store's counters and its store's, the latter prefixed ``store_``."""
+    def omni_live_store_stats(self) -> dict[str, int | float]:
+        """The live store's counters and its store's, the latter prefixed ``store_``.
+
+        With a tier, also the worker's tier counters (prefixed ``tier_``) and
+        those of its Redis client (prefixed ``redis_``).
+        """
         if self.omni_store is None:
             return {}
-        stats = asdict(self.omni_store.stats)
+        stats: dict[str, int | float] = asdict(self.omni_store.stats)
         stats.update({f"store_{k}": v for k, v in asdict(self.omni_store.store.stats).items()})
+        if self._omni_tier is not None:
+            stats.update({f"tier_{k}": v for k, v in asdict(self._omni_tier.stats).items()})
+            stats.update({f"redis_{k}": v for k, v in asdict(self._omni_tier.tier.stats).items()})
         return stats
+
+    def omni_tier_flush(self, timeout_s: float = 30.0) -> bool:
+        """Waits until every block saved to the tier is written; False without a tier or in time."""
+        return self._omni_tier is not None and self._omni_tier.flush(timeout_s)
 
 
 def encode_rows(rows: torch.Tensor) -> dict[str, Any]:

@@ -1,0 +1,253 @@
+"""The Redis tier from live engines: a second engine serves the blocks a first one computed.
+
+Engine A, in vLLM's default multiprocess mode with the tier on (a real Redis
+server), serves a multimodal workload (images, cache salts) and is shut
+down. Engine B, a new engine with an empty local cache and the same tier,
+serves the same prompts and some that share only a prefix: it takes the KV
+and hidden rows of A's blocks from Redis (vLLM's external tokens) instead of
+computing them. Between the two runs one value is deleted from Redis and
+one is overwritten with bytes that do not verify: each of those requests
+gets exactly the shorter hit (the scheduler fetches and verifies a block's
+values at the lookup). The oracle is an engine with prefix
+caching off (in process), whose prompt hidden states are all computed.
+
+Same conventions as ``test_vllm_live``: skipped without the live CPU engine
+of vLLM 0.32, failed instead under ``CI=true`` or
+``OMNICACHE_REQUIRE_VLLM_LIVE=1``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import test_vllm_live as live
+
+from hashing import hash_image
+from omnicache.annotations import TokenRangeAnnotation
+
+if TYPE_CHECKING:
+    from redis_server import RedisServer
+
+pytestmark = live.pytestmark
+
+WORKER = "omnicache.integrations.vllm.worker.OmniCPUWorker"
+NAMESPACE = "live-tier"
+PREFIX = "omnicache-test"
+ENTRIES = [
+    "hidden_states",
+    "kv.language_model.model.layers.0.self_attn.attn",
+    "kv.language_model.model.layers.1.self_attn.attn",
+]
+# (image seed, cache salt) per request, one generate call per wave.
+A_WAVES: list[list[tuple[int, str | None]]] = [
+    [(1, None)],
+    [(2, None)],
+    [(1, "b")],
+    [(4, None)],
+    [(5, None)],
+]
+# B: a twin in the first wave hits, in the same step, the blocks its twin
+# loads; (3, None) shares only the text block with what A computed.
+B_WAVES: list[list[tuple[int, str | None]]] = [
+    [(1, None), (1, None)],
+    [(2, None), (3, None)],
+    [(1, "b"), (4, None)],
+    [(5, None)],
+]
+DELETED = (4, None)  # its block 2's KV of layer 0 is deleted from Redis before B starts
+CORRUPT = (5, None)  # its block 2's hidden rows are overwritten with bytes that do not verify
+FULL = 4 * live.BLOCK_SIZE  # a whole prompt's hit: all but its last, partial block
+TEXT = live.BLOCK_SIZE  # the block of text before the image
+# Per B request: (tokens its admission took from the tier, vLLM's cached tokens).
+B_EXPECTED = [
+    (FULL, FULL),  # (1, None): every full block from A's run
+    (0, FULL),  # its twin: a local hit on the blocks loaded in the same step
+    (FULL - TEXT, FULL),  # (2, None): text block local (loaded for (1, None)), the rest loaded
+    (0, TEXT),  # (3, None): A never saw image 3
+    (FULL, FULL),  # (1, "b"): another salt, another chain, all from A
+    (TEXT, 2 * TEXT),  # (4, None): text local, block 1 loaded, block 2's value deleted
+    (TEXT, 2 * TEXT),  # (5, None): text local, block 1 loaded, block 2's value damaged
+]
+
+
+def tier_args(model: Path, url: str, **overrides: Any) -> dict[str, Any]:
+    return live.engine_args(
+        model,
+        worker_cls=WORKER,
+        scheduler_cls=live.SCHEDULER,
+        kv_transfer_config={
+            "kv_connector": "OmniStoreConnector",
+            "kv_connector_module_path": "omnicache.integrations.vllm.connector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "tier_url": url,
+                "tier_namespace": NAMESPACE,
+                "tier_prefix": PREFIX,
+            },
+        },
+        max_model_len=512,
+        limit_mm_per_prompt={"image": 1},
+        **overrides,
+    )
+
+
+def serve(llm: Any, waves: list[list[tuple[int, str | None]]], *, tier: bool) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    from omnicache.integrations.vllm.worker import take_prompt_hidden_states
+
+    params = SamplingParams(
+        max_tokens=live.MAX_TOKENS,
+        temperature=0,
+        extra_args={"omnicache_prompt_hidden_states": True},
+    )
+    outputs: list[Any] = []
+    for wave in waves:
+        prompts = [live.image_prompt(live.picture(seed), salt) for seed, salt in wave]
+        outputs += llm.generate(prompts, params, use_tqdm=False)
+    run: dict[str, Any] = {
+        "requests": [item for wave in waves for item in wave],
+        "hits": [output.num_cached_tokens for output in outputs],
+        "external": [
+            (output.kv_transfer_params or {}).get("omnicache_external_tokens") for output in outputs
+        ],
+        "tokens": [list(output.outputs[0].token_ids) for output in outputs],
+        "computed": [live.computed_tokens(output) for output in outputs],
+        "span": live.placeholder_span(llm, outputs[0], live.IMAGE_PAD),
+        "states": take_prompt_hidden_states(llm, outputs),
+    }
+    (run["stats"],) = llm.collective_rpc("omni_live_store_stats")
+    if tier:
+        (run["flushed"],) = llm.collective_rpc("omni_tier_flush")
+    live.shut(llm)
+    return run
+
+
+def block_keys(model: Path, run: dict[str, Any], index: int) -> list[bytes]:
+    """omnicache's keys of the full blocks request ``index`` of ``run`` computed."""
+    seed, salt = run["requests"][index]
+    offset, length = run["span"]
+    annotation = TokenRangeAnnotation(offset, length, hash_image(live.picture(seed)), 0, length)
+    keys = live.full_block_keys(model, run["computed"][index], [annotation], salt)
+    return [bytes(key) for key in keys]
+
+
+def value_name(key: bytes, entry: str) -> str:
+    return f"{PREFIX}:{NAMESPACE}:{key.hex()}:{entry}"
+
+
+@pytest.fixture(scope="module")
+def vl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from omnicache.demo.tiny_models import build_vl_model
+
+    return build_vl_model(tmp_path_factory.mktemp("live-tier") / "qwen2-vl-tiny")
+
+
+@pytest.fixture(scope="module")
+def runs(vl_model: Path, redis_server_session: RedisServer) -> Iterator[dict[str, Any]]:
+    from vllm import LLM
+
+    client = redis_server_session.client()
+    stale = list(client.scan_iter(f"{PREFIX}:{NAMESPACE}:*"))
+    if stale:
+        client.delete(*stale)
+    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    url = redis_server_session.url
+    results: dict[str, Any] = {}
+    # NOTE: the multiprocess engines first (see test_vllm_live); the oracle
+    # then runs in process, which starts in seconds.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    try:
+        results["a"] = serve(LLM(**tier_args(vl_model, url)), A_WAVES, tier=True)
+        results["saved"] = {name.decode() for name in client.scan_iter(f"{PREFIX}:{NAMESPACE}:*")}
+        a_index = {item: index for index, item in enumerate(results["a"]["requests"])}
+        deleted = block_keys(vl_model, results["a"], a_index[DELETED])[2]
+        corrupt = block_keys(vl_model, results["a"], a_index[CORRUPT])[2]
+        assert client.delete(value_name(deleted, ENTRIES[1])) == 1
+        assert client.set(value_name(corrupt, ENTRIES[0]), b"not a value of the tier") is True
+        results["b"] = serve(LLM(**tier_args(vl_model, url)), B_WAVES, tier=True)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        off = live.engine_args(
+            vl_model,
+            worker_cls=WORKER,
+            kv_transfer_config={
+                "kv_connector": "OmniStoreConnector",
+                "kv_connector_module_path": "omnicache.integrations.vllm.connector",
+                "kv_role": "kv_both",
+            },
+            enable_prefix_caching=False,
+            max_model_len=512,
+            limit_mm_per_prompt={"image": 1},
+        )
+        oracle_waves = [[item] for item in dict.fromkeys(i for w in B_WAVES for i in w)]
+        results["off"] = serve(LLM(**off), oracle_waves, tier=False)
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
+    yield results
+
+
+def test_engine_a_saves_every_block_it_computed_and_loads_nothing(
+    runs: dict[str, Any], vl_model: Path
+) -> None:
+    a = runs["a"]
+    assert a["flushed"] is True
+    assert a["external"] == [0] * len(A_WAVES)
+    # Local hits only: the text block, once A computed it.
+    assert a["hits"] == [0, TEXT, 0, TEXT, TEXT]
+    expected = {
+        value_name(key, entry)
+        for index in range(len(a["requests"]))
+        for key in block_keys(vl_model, a, index)
+        for entry in ENTRIES
+    }
+    assert runs["saved"] == expected
+    stats = a["stats"]
+    assert stats["tier_num_saved_blocks"] == len(expected) // len(ENTRIES)
+    assert stats["redis_num_written_values"] == len(expected)
+    assert stats["tier_num_load_requests"] == stats["tier_num_loaded_blocks"] == 0
+    assert stats["redis_num_dropped_values"] == stats["redis_num_write_errors"] == 0
+
+
+def test_engine_b_takes_exactly_the_blocks_the_tier_holds(runs: dict[str, Any]) -> None:
+    b = runs["b"]
+    assert list(zip(b["external"], b["hits"], strict=True)) == B_EXPECTED
+    stats = b["stats"]
+    # Every request with external tokens loaded them, whole.
+    assert stats["tier_num_load_requests"] == sum(1 for ext, _ in B_EXPECTED if ext)
+    assert stats["tier_num_loaded_blocks"] == sum(ext for ext, _ in B_EXPECTED) // live.BLOCK_SIZE
+    assert stats["tier_num_failed_loads"] == stats["num_failed_load_requests"] == 0
+    # The loaded blocks were read as hits: by their requests and by the twin.
+    assert stats["num_hit_blocks"] == sum(hit for _, hit in B_EXPECTED) // live.BLOCK_SIZE
+
+
+def test_engine_b_serves_what_engines_without_a_tier_compute(runs: dict[str, Any]) -> None:
+    import torch
+
+    off = runs["off"]
+    oracle = {item: index for index, item in enumerate(off["requests"])}
+    assert off["hits"] == [0] * len(off["requests"])
+    for name in ("a", "b"):
+        run = runs[name]
+        for index, item in enumerate(run["requests"]):
+            want = off["states"][oracle[item]]
+            got = run["states"][index]
+            where = (name, index, item)
+            assert run["tokens"][index] == off["tokens"][oracle[item]], where
+            assert got is not None and want is not None, where
+            assert got.dtype == torch.float32, where
+            assert tuple(got.shape) == tuple(want.shape), where
+            assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), where
+        stats = run["stats"]
+        assert stats["num_stale_hit_blocks"] == 0, name
+        assert stats["store_num_stale_reads"] == 0, name
+        assert stats["num_slot_mismatches"] == 0, name
+        assert stats["num_prompt_failures"] == 0, name
+        assert stats["num_prompt_results"] == len(run["requests"]), name
