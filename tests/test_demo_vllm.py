@@ -19,7 +19,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.vllm_live  # the gate: tests/conftest.py
-NUM_REQUESTS = 40
+NUM_REQUESTS = 24
 
 
 def _row(out: str, name: str) -> list[str]:

@@ -1,9 +1,11 @@
 """The Redis tier from live engines: a second engine serves the blocks a first one computed.
 
-Engine A, in vLLM's default multiprocess mode with the tier on (a real Redis
-server), serves a multimodal workload (images, cache salts) and is shut
-down. Engine B, a new engine with an empty local cache and the same tier,
-serves the same prompts and some that share only a prefix: it takes the KV
+Engine A, in process with the tier on (a real Redis server), serves a
+multimodal workload (images, cache salts) and is shut down. Engine B, in
+vLLM's default multiprocess mode (its scheduler and its worker each in a
+process of their own, so every loaded value crosses a process boundary in
+the step's plan), with an empty local cache and the same tier, serves the
+same prompts and some that share only a prefix: it takes the KV
 and hidden rows of A's blocks from Redis (vLLM's external tokens) instead of
 computing them. Between the two runs one value is deleted from Redis and
 one is overwritten with bytes that do not verify: each of those requests
@@ -159,9 +161,9 @@ def runs(vl_model: Path, redis_server_session: RedisServer) -> Iterator[dict[str
     saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     url = redis_server_session.url
     results: dict[str, Any] = {}
-    # NOTE: the multiprocess engines first (see test_vllm_live); the oracle
-    # then runs in process, which starts in seconds.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    # NOTE: A and the oracle run in process, which starts in seconds; B, the
+    # engine that loads, in vLLM's default multiprocess mode.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
         results["a"] = serve(LLM(**tier_args(vl_model, url)), A_WAVES, tier=True)
         results["saved"] = {name.decode() for name in client.scan_iter(f"{PREFIX}:{NAMESPACE}:*")}
@@ -170,6 +172,7 @@ def runs(vl_model: Path, redis_server_session: RedisServer) -> Iterator[dict[str
         corrupt = block_keys(vl_model, results["a"], a_index[CORRUPT])[2]
         assert client.delete(value_name(deleted, ENTRIES[1])) == 1
         assert client.set(value_name(corrupt, ENTRIES[0]), b"not a value of the tier") is True
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         results["b"] = serve(LLM(**tier_args(vl_model, url)), B_WAVES, tier=True)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         off = live.engine_args(
