@@ -105,7 +105,7 @@ CONFIGS = [
     Config("full+chunked", (("full", 16, 0), ("chunked", 16, 32)), 48),
     Config("full+mamba", (("full", 16, 0), ("mamba", 16, 0)), 48),
     Config("full32+sliding16", (("full", 32, 0), ("sliding", 16, 32)), 48),
-    Config("finer-hashes", (("full", 64, 0), ("mamba", 64, 0)), 24),
+    Config("finer-hashes", (("full", 64, 0), ("mamba", 64, 0)), 32),
 ]
 CONFIG_IDS = [config.name for config in CONFIGS]
 
@@ -125,7 +125,6 @@ def new_wrapper(config: Config) -> OmniKVCacheManager:
     )
     store.register("codes", 2, torch.int64)
     return OmniKVCacheManager(new_manager(config), store)
-
 
 
 def hasher() -> RequestBlockHasher:
@@ -277,9 +276,9 @@ EXPECTED_HITS = {
     # Hits land on the scheduler's 32-token blocks.
     "full32+sliding16": ([0, 128, 64, 0, 128, 160, 128], [0, 128, 64, 0, 128, 160, 128]),
     # vLLM hits into the 64-token block that holds the prompt's end; the
-    # store serves whole blocks. The last request finds no Mamba state of
-    # "blue" left in the 23-block pool.
-    "finer-hashes": ([0, 144, 64, 0, 144, 176, 0], [0, 128, 64, 0, 128, 128, 0]),
+    # store serves whole blocks ("red-longer-again" resumes at 176, inside
+    # the third block, so it gets two).
+    "finer-hashes": ([0, 144, 64, 0, 144, 176, 144], [0, 128, 64, 0, 128, 128, 128]),
 }
 
 
@@ -357,6 +356,7 @@ def check_hit(manager: Any, config: Config, request: Any, blocks: Any, num_hit: 
 class SimRequest:
     def __init__(self, request: Any, max_len: int) -> None:
         self.request = request
+        self.rid = request.request_id
         self.max_len = max_len
         self.scheduled = 0
         self.hit = 0
@@ -378,7 +378,19 @@ class Sim:
         self.registry_keys: list[BlockHash] = []
         self.num_requests = 0
         self.counts = dict.fromkeys(
-            ("hits", "hit_tokens", "reads_ok", "reads_stale", "aborts", "finished", "refused"), 0
+            (
+                "hits",
+                "hit_tokens",
+                "capped_hits",
+                "relooked_groups",
+                "copies",
+                "reads_ok",
+                "reads_stale",
+                "aborts",
+                "finished",
+                "refused",
+            ),
+            0,
         )
         rng = self.rng
         self.bases: list[tuple[list[int], list[tuple[str, int, int]]]] = []
@@ -408,20 +420,41 @@ class Sim:
         ]
         if any(t == IMAGE_TOKEN for t in prompt) and not features:
             prompt = prompt[: items[0][1]] or [1]
+        salt = rng.choice((None, None, "tenant"))
+        waiting = [sim for sim in self.active if sim.scheduled]
+        if waiting and rng.random() < 0.5:
+            # A sibling of a request whose chunk has not run: vLLM has the
+            # keys of its blocks, the store not their rows yet.
+            twin = rng.choice(waiting).request
+            prompt = list(twin.prompt_token_ids) + [rng.randrange(1, 60)] * rng.randrange(3)
+            features, salt = list(twin.mm_features), twin.cache_salt
         request = make_request(
             f"r{self.num_requests}",
             prompt,
             hasher(),
             mm_features=features,
-            cache_salt=rng.choice((None, None, "tenant")),
+            cache_salt=salt,
             max_tokens=64,
         )
         self.num_requests += 1
+        # vLLM's own lookup (no side effect), then the wrapper's.
+        raw, vllm_hit, _ = self.manager.get_computed_blocks(request)
         blocks, num_hit, _ = self.wrapper.get_computed_blocks(request)
         check_hit(self.manager, self.config, request, blocks, num_hit)
-        chunk = min(request.num_tokens - num_hit, rng.randrange(1, 70))
+        assert num_hit <= vllm_hit
+        if num_hit < vllm_hit:
+            self.counts["capped_hits"] += 1
+            for group_id, (_, block_size, _) in enumerate(self.config.groups[1:], start=1):
+                cut = list(raw.blocks[group_id][: num_hit // block_size])
+                if list(blocks.blocks[group_id]) != cut:
+                    # A cut list would have been wrong for this group.
+                    self.counts["relooked_groups"] += 1
+        chunk = self.chunk(request, num_hit)
         if self.wrapper.allocate_slots(request, chunk, num_hit, blocks) is None:
+            # The scheduler would retry it later; here it is dropped, as an abort.
             self.counts["refused"] += 1
+            request.status = RequestStatus.FINISHED_ABORTED
+            self.wrapper.free(request)
             return
         request.status = RequestStatus.RUNNING
         sim = SimRequest(request, request.num_tokens + rng.randrange(1, 20))
@@ -433,6 +466,11 @@ class Sim:
             self.counts["hit_tokens"] += num_hit
         self.remember_keys(sim)
         self.active.append(sim)
+
+    def chunk(self, request: Any, start: int) -> int:
+        """Tokens of the next chunk: up to one of the next chunk ends vLLM's scheduler allows."""
+        ends = prefill_chunks(request, start)
+        return ends[min(self.rng.randrange(3), len(ends) - 1)] - start
 
     def schedule(self, sim: SimRequest) -> None:
         request = sim.request
@@ -446,7 +484,7 @@ class Sim:
             request.append_output_token_ids(int(rows["codes"][-1, 0]) % 60 + 1)
             self.remember_keys(sim)
             remaining = 1
-        chunk = min(remaining, self.rng.randrange(1, 70))
+        chunk = self.chunk(request, request.num_computed_tokens)
         if self.wrapper.allocate_slots(request, chunk) is None:
             self.finish(sim, RequestStatus.FINISHED_ABORTED)
             return
@@ -502,7 +540,16 @@ class Sim:
     def step(self) -> None:
         rng = self.rng
         roll = rng.random()
-        if not self.active or (len(self.active) < 4 and roll < 0.2):
+        self.wrapper.new_step_starts()
+        # The copies vLLM asked for ran with the last step: release what it retained.
+        copies, retained = self.wrapper.take_kv_cache_block_copies()
+        tables = {b for sim in self.active for b in self.wrapper.request_block_ids(sim.rid)}
+        for copy in copies:
+            # Copies only ever move another group's state: the store group's hits are whole.
+            assert copy.src_block_id not in tables and copy.dst_block_id not in tables
+        self.counts["copies"] += len(copies)
+        self.manager.block_pool.free_blocks(retained)
+        if not self.active or (len(self.active) < 6 and roll < 0.25):
             self.new_request()
         elif roll < 0.35 and self.registry_keys:
             self.adversarial_read()
@@ -512,22 +559,28 @@ class Sim:
                 self.finish(sim, RequestStatus.FINISHED_ABORTED)
         else:
             sim = rng.choice(self.active)
-            if sim.scheduled:
-                self.execute(sim)
-            else:
+            if not sim.scheduled:
                 self.schedule(sim)
+            elif roll < 0.7:
+                # Chunks wait while others are looked up: their blocks have
+                # keys in vLLM and no rows in the store yet.
+                self.execute(sim)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
 def test_randomized_reuse_never_serves_a_stale_row(config: Config) -> None:
     sim = Sim(config, seed=20261201)
-    for _ in range(4000):
+    for _ in range(6000):
         sim.step()
     counts, stats = sim.counts, sim.wrapper.stats
     store_stats = sim.store.stats
-    print(config.name, counts, stats, store_stats.num_evicted_stamps)
-    # The run exercised what it claims to (thresholds far below what this seed gives).
-    assert counts["hits"] > 50 and counts["finished"] > 50 and counts["aborts"] > 10
-    assert counts["reads_ok"] > 100 and counts["reads_stale"] > 100
-    assert stats.num_capped_blocks > 10 and store_stats.num_evicted_stamps > 100
+    # The run exercised what it claims to (thresholds well below what this
+    # seed gives): hits, hits capped to rows not written yet, reuse, stale
+    # rows detected; in hybrid configurations, groups whose capped hit is not
+    # a cut of vLLM's first one; with finer hashes, vLLM's copies on write.
+    assert counts["hits"] > 25 and counts["finished"] > 50 and counts["aborts"] > 20
+    assert counts["reads_ok"] > 200 and counts["reads_stale"] > 500
+    assert counts["capped_hits"] >= 3 and store_stats.num_evicted_stamps > 100
+    assert counts["relooked_groups"] >= (1 if len(config.groups) > 1 else 0)
+    assert counts["copies"] > (10 if config.name == "finer-hashes" else -1)
     assert store_stats.num_stale_reads == counts["reads_stale"]
