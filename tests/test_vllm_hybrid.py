@@ -50,6 +50,7 @@ if VLLM_MISSING is None:
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
+        CrossAttentionSpec,
         FullAttentionSpec,
         MambaSpec,
         SlidingWindowSpec,
@@ -573,6 +574,7 @@ def test_randomized_reuse_never_serves_a_stale_row(config: Config) -> None:
     for _ in range(6000):
         sim.step()
     counts, stats = sim.counts, sim.wrapper.stats
+    assert stats.num_hit_blocks == counts["hit_tokens"] // config.store_block_size
     store_stats = sim.store.stats
     # The run exercised what it claims to (thresholds well below what this
     # seed gives): hits, hits capped to rows not written yet, reuse, stale
@@ -584,3 +586,102 @@ def test_randomized_reuse_never_serves_a_stale_row(config: Config) -> None:
     assert counts["relooked_groups"] >= (1 if len(config.groups) > 1 else 0)
     assert counts["copies"] > (10 if config.name == "finer-hashes" else -1)
     assert store_stats.num_stale_reads == counts["reads_stale"]
+
+
+# -- a partial hit's tail copied on write; refusals --------------------------------------
+
+
+def test_a_copied_tail_block_is_never_stamped_and_never_serves_a_hit() -> None:
+    config = CONFIGS[-1]  # full attention in 64-token blocks, hashes of 16, aligned Mamba
+    assert config.name == "finer-hashes"
+    store = TensorStore(config.num_blocks, 64, hidden_size=HIDDEN, hidden_dtype=torch.float32)
+    store.register("codes", 2, torch.int64)
+    # Uncapped: the wrapper takes vLLM's partial hit as it is.
+    wrapper = OmniKVCacheManager(new_manager(config), store, require_stored_outputs=False)
+    red = scenario_request("red", RED_HEX, None, 0)
+    admit_and_compute(wrapper, red)
+    red_table = wrapper.request_block_ids("red")
+    red.status = RequestStatus.FINISHED_STOPPED
+    wrapper.free(red)
+    again = scenario_request("red-again", RED_HEX, None, 40)
+    keys = group_keys(again, 64)
+    wrapper.new_step_starts()
+    blocks, num_hit, _ = wrapper.get_computed_blocks(again)
+    assert num_hit == 144  # two whole blocks and 16 tokens of red's third (its prompt's end)
+    # As vLLM's scheduler splits it for Mamba: up to the prompt's checkpoint, then the rest.
+    assert prefill_chunks(again, 144) == [176, 192]
+    assert wrapper.allocate_slots(again, 32, num_hit, blocks)
+    table = wrapper.request_block_ids("red-again")
+    copies, retained = wrapper.take_kv_cache_block_copies()
+    # vLLM copies red's shared tail block into a block of the request's own.
+    assert table[:2] == red_table[:2] and table[2] not in red_table
+    assert (red_table[2], table[2]) in {(c.src_block_id, c.dst_block_id) for c in copies}
+    wrapper.manager.block_pool.free_blocks(retained)
+    # The hit the store knows of is whole blocks; the copy starts without rows.
+    assert wrapper.hit_blocks("red-again") == (tuple(red_table[:2]), tuple(keys[:2]))
+    assert store.stamp_of("hidden_states", table[2]) is None
+    rows = recompute(again)
+    for start, end in ((144, 176), (176, 192)):
+        if start == 176:
+            wrapper.new_step_starts()
+            assert wrapper.allocate_slots(again, end - start)
+        step = [ScheduledRequest("red-again", end - start, start)]
+        outputs = {
+            "hidden_states": rows["hidden_states"][start:end],
+            "multimodal_outputs": {"codes": rows["codes"][start:end]},
+        }
+        wrapper.write_outputs(step, **outputs)
+        merged = wrapper.read_merged(step, **outputs)
+        # Tokens 128..143 live only in vLLM's KV copy: no read has the hit's rows.
+        assert merged.misses == ()
+        assert torch.equal(merged.hidden_states["red-again"], rows["hidden_states"][start:end])
+        again.num_computed_tokens = end
+    # The copy is now full (192 tokens): vLLM keys it, the store never stamps
+    # it (its rows began at offset 16), so a capped lookup would not hit it.
+    wrapper.cache_blocks(again, again.num_tokens)
+    assert holds_key(wrapper.manager, wrapper.manager.block_pool.blocks[table[2]], keys[2], 0)
+    assert store.stamp_of("hidden_states", table[2]) is None
+    assert store.probe(table, keys[:3]) == 2
+    # Red's own tail block kept no stamp either: its rows never filled it.
+    assert store.stamp_of("hidden_states", red_table[2]) is None
+
+
+def test_configurations_the_store_cannot_follow_are_refused() -> None:
+    common = {"num_kv_heads": 1, "head_size": 8, "dtype": torch.float16}
+    sliding = SlidingWindowSpec(block_size=16, sliding_window=32, **common)
+    chunked = ChunkedLocalAttentionSpec(block_size=16, attention_chunk_size=32, **common)
+    full = FullAttentionSpec(block_size=16, **common)
+    store = TensorStore(16, 16)
+    for specs, found in (
+        ([sliding], "['sliding window']"),
+        ([sliding, chunked], "['sliding window', 'chunked local attention']"),
+    ):
+        manager = new_hybrid_kv_cache_manager(16, specs, max_model_len=512)
+        with pytest.raises(ValueError) as info:
+            OmniKVCacheManager(manager, store)
+        assert str(info.value) == (
+            "manager: expected a full-attention KV cache group (the only kind whose blocks "
+            "hold every token of a prefix, which the store's rows follow), found groups " + found
+        )
+        # Refused before anything changed: vLLM's collector is its own.
+        assert manager.block_pool.metrics_collector is None
+    cross = CrossAttentionSpec(block_size=16, **common)
+    with pytest.raises(ValueError, match=r"found CrossAttentionManager for group 1"):
+        OmniKVCacheManager(new_hybrid_kv_cache_manager(16, [full, cross], max_model_len=512), store)
+    hybrid = new_hybrid_kv_cache_manager(16, [full, sliding], max_model_len=512)
+    with pytest.raises(ValueError) as info:
+        OmniKVCacheManager(hybrid, store, kv_cache_group_id=1)
+    assert str(info.value) == (
+        "kv_cache_group_id: expected a full-attention group [0], found group 1 (sliding window)"
+    )
+    coarse = new_hybrid_kv_cache_manager(
+        16, [FullAttentionSpec(block_size=32, **common), sliding], max_model_len=512
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"store: expected block_size 32 \(vLLM's block size in "
+        r"KV cache group 0, hash block size 16\), found 16",
+    ):
+        OmniKVCacheManager(coarse, store)
+    wrapper = OmniKVCacheManager(coarse, TensorStore(16, 32))
+    assert wrapper.manager is coarse
