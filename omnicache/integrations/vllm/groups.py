@@ -42,9 +42,13 @@ class StoreGroup(NamedTuple):
     scale: int
 
 
-def group_keys(block_hashes: Sequence[BlockHash], scale: int) -> list[BlockHash]:
-    """The keys of a request's full group blocks, from its keys per hash block."""
-    return list(block_hashes[scale - 1 :: scale]) if scale > 1 else list(block_hashes)
+def group_keys(block_hashes: Sequence[BlockHash], scale: int) -> Sequence[BlockHash]:
+    """The keys of a request's full group blocks, from its keys per hash block.
+
+    With one hash block per group block, ``block_hashes`` itself (not a copy:
+    this runs on every allocation).
+    """
+    return block_hashes[scale - 1 :: scale] if scale > 1 else block_hashes
 
 
 def _supported_managers() -> dict[type[Any], str]:

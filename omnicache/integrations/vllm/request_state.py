@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import reprlib
-from collections.abc import Sized
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +70,7 @@ class RequestState:
         )
         return slots
 
-    def keys(self) -> list[BlockHash]:
+    def keys(self) -> Sequence[BlockHash]:
         """The keys of the request's full blocks in the store group."""
         return group_keys(self.request.block_hashes, self.scale)
 
