@@ -41,6 +41,9 @@ from test_vllm_integration import (
 from omnicache.block_hash import BlockHash
 from omnicache.integrations.vllm import OmniKVCacheManager, RequestBlockHasher, make_request
 from omnicache.integrations.vllm.kv_cache import new_hybrid_kv_cache_manager
+from omnicache.integrations.vllm.live_store import LiveStore
+from omnicache.integrations.vllm.mirror import StoreMirror
+from omnicache.integrations.vllm.step_plan import planned_slots
 from omnicache.store import ScheduledRequest, StaleBlockError, TensorStore
 
 pytestmark = pytest.mark.skipif(VLLM_MISSING is not None, reason=VLLM_MISSING or "")
@@ -685,3 +688,55 @@ def test_configurations_the_store_cannot_follow_are_refused() -> None:
         OmniKVCacheManager(coarse, store)
     wrapper = OmniKVCacheManager(coarse, TensorStore(16, 32))
     assert wrapper.manager is coarse
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+def test_the_mirror_and_a_workers_store_follow_the_store_group(config: Config) -> None:
+    """The StepListener contract in hybrid models: the mirror's plans stamp the worker's store."""
+    wrapper = OmniKVCacheManager(
+        new_manager(config), TensorStore(config.num_blocks, config.store_block_size)
+    )
+    mirror = StoreMirror(wrapper)
+    worker = LiveStore(
+        TensorStore(
+            config.num_blocks,
+            config.store_block_size,
+            hidden_size=HIDDEN,
+            hidden_dtype=torch.float32,
+        ),
+        max_results=8,
+    )
+    hits = []
+    for rid, image, salt, extra in SCENARIO:
+        request = scenario_request(rid, image, salt, extra)
+        rows = recompute(request)["hidden_states"]
+        wrapper.new_step_starts()
+        blocks, num_hit, _ = wrapper.get_computed_blocks(request)
+        hits.append(num_hit)
+        start = num_hit
+        for end in prefill_chunks(request, num_hit):
+            if start == num_hit:
+                assert wrapper.allocate_slots(request, end - start, num_hit, blocks)
+                request.num_computed_tokens = num_hit
+            else:
+                wrapper.new_step_starts()
+                assert wrapper.allocate_slots(request, end - start)
+            prompt = {rid: request.num_tokens} if start == num_hit else {}
+            plan = mirror.plan([(rid, start, end - start)], prompt, ())
+            slots = planned_slots(plan.requests, config.store_block_size)
+            assert slots is not None
+            worker.apply(plan, [rid], rows[start:end], torch.from_numpy(slots))
+            request.num_computed_tokens = start = end
+        # The worker's prompt hidden states: the hit's stored rows, then the computed ones.
+        assert torch.equal(worker.take([rid])[rid], rows)  # type: ignore[arg-type]
+        request.status = RequestStatus.FINISHED_STOPPED
+        wrapper.free(request)
+        plan = mirror.plan((), {}, (rid,))
+        worker.apply(plan)
+    # The mirror's stamps are the worker's, block for block.
+    for block_id in range(1, config.num_blocks):
+        assert wrapper.store.stamp_of("hidden_states", block_id) == worker.store.stamp_of(
+            "hidden_states", block_id
+        )
+    assert hits == EXPECTED_HITS[config.name][1]
+    assert worker.stats.num_stale_hit_blocks == 0
