@@ -473,3 +473,48 @@ def test_the_mirror_and_a_workers_store_follow_the_store_group(config: Config) -
         )
     assert hits == EXPECTED_HITS[config.name][1]
     assert worker.stats.num_stale_hit_blocks == 0
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+def test_the_connectors_lookup_is_vllms_and_capped_alike(config: Config) -> None:
+    wrapper = new_wrapper(config)
+    plain = new_manager(config)
+    red = scenario_request("red", RED_HEX, None, 0)
+    admit_and_compute(wrapper, red)
+    red.status = RequestStatus.FINISHED_STOPPED
+    wrapper.free(red)
+    twin = scenario_request("red", RED_HEX, None, 0)
+    plain.new_step_starts()
+    blocks, _, _ = plain.get_computed_blocks(twin)
+    for end in prefill_chunks(twin, 0):
+        if twin.num_computed_tokens == 0:
+            assert plain.allocate_slots(twin, end, 0, blocks)
+        else:
+            plain.new_step_starts()
+            assert plain.allocate_slots(twin, end - twin.num_computed_tokens)
+        twin.num_computed_tokens = end
+    twin.status = RequestStatus.FINISHED_STOPPED
+    plain.free(twin)
+    for manager in (wrapper, plain):
+        manager.new_step_starts()
+    again = scenario_request("red-again", RED_HEX, None, 0)
+    found = wrapper.get_computed_blocks_for_connector(again)
+    vllm_found = plain.get_computed_blocks_for_connector(again)
+    size = config.store_block_size
+    if vllm_found[1] % size == 0:
+        assert found[1:] == vllm_found[1:]
+        assert found[0].get_block_ids() == vllm_found[0].get_block_ids()
+    else:  # a partial hit: the reconciled lookup at the whole-block length, never diverged
+        assert (found[1], found[3]) == (vllm_found[1] // size * size, False)
+    assert found[1] == EXPECTED_HITS[config.name][1][1]
+    # Rows never written: the connector's lookup is capped too, for every group.
+    blank = new_wrapper(config)
+    first = scenario_request("red", RED_HEX, None, 0)
+    blank.new_step_starts()
+    blocks, _, _ = blank.get_computed_blocks(first)
+    assert blank.allocate_slots(first, prefill_chunks(first, 0)[0], 0, blocks)
+    blank.new_step_starts()
+    sibling = scenario_request("red-again", RED_HEX, None, 0)
+    # vLLM has the first 64 tokens' keys (registered at allocation), the store no rows.
+    assert blank.manager.get_computed_blocks_for_connector(sibling)[1] == 64
+    assert blank.get_computed_blocks_for_connector(sibling)[1:] == (0, 0, False)
