@@ -27,12 +27,32 @@ arrive only at the next ``take_events()``, after the new owner may already
 have written the block. Keys dropped through ``evict_blocks`` (a connector
 reporting failed loads) pass through the same hook. vLLM's block 0 is its
 null block: it is never handed out, so the store's block 0 stays unused.
+
+Hybrid models. With several KV cache groups (full attention beside sliding
+window, chunked local attention or Mamba), the store's rows follow one
+full-attention group's block ids (`groups.store_group` says why). Every group
+draws its blocks from the manager's one ``BlockPool``, so the one hook there
+sees every reuse, of every group; block ids are the pool's, so clearing a
+block that another group reuses is a no-op for the store. A hit whose rows
+the store lacks in part is shortened by looking it up again at the shorter
+length, so that every group agrees on it: a sliding-window group needs the
+blocks of the window that ends at the new length, not a truncated list of
+the old window's blocks.
+
+Hash blocks finer than KV blocks. vLLM 0.32 and 0.33 then key a group block
+by the hash at its last hash boundary, and with an aligned Mamba group they
+hit partial blocks: the shared tail block is copied on write into a block of
+the request's own. The store serves whole blocks only: a partial tail is
+dropped from the hit (looked up again at the whole-block length), so no
+shared tail is ever copied for a request whose hit the wrapper caps. A copy
+made anyway (no entries registered, or ``require_stored_outputs=False``)
+moves KV, not rows: its block is handed out through the hook (stamps
+cleared) and the request's writes start inside it, which never completes it.
 """
 
 from __future__ import annotations
 
-import reprlib
-from collections.abc import Mapping, Sequence, Sized
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -43,6 +63,10 @@ import torch
 from omnicache.block_hash import BlockHash
 from omnicache.checks import check_bool, check_int, check_str, type_name
 from omnicache.integrations.vllm.common import require_vllm
+from omnicache.integrations.vllm.groups import store_group
+from omnicache.integrations.vllm.hits import cap_hit
+from omnicache.integrations.vllm.request_state import RequestState, check_no_hit
+from omnicache.integrations.vllm.reuse_hook import ReuseHook
 from omnicache.store import MergedRead, ScheduledRequest, TensorStore, WriteResult
 
 if TYPE_CHECKING:
@@ -102,111 +126,6 @@ class OmniStats:
     num_discards: int = 0
 
 
-@dataclass(slots=True, eq=False)
-class _RequestState:
-    """What the wrapper records of a request, from its allocation to its free."""
-
-    request: Any
-    # The request's block table in vLLM (its own list, updated in place).
-    blocks: list[Any]
-    num_hit_tokens: int = 0
-    hit_block_ids: tuple[int, ...] = ()
-    hit_block_keys: tuple[BlockHash, ...] = ()
-
-    def slots(
-        self,
-        start: int,
-        num_new: int,
-        block_size: int,
-        block_keys: dict[int, BlockHash],
-        where: str,
-    ) -> npt.NDArray[np.int64]:
-        """Slots of the request's tokens ``[start, start + num_new)``, ``num_new > 0``.
-
-        Adds to ``block_keys`` the key of each full block those tokens touch.
-        """
-        blocks = self.blocks
-        stop = start + num_new
-        if stop > len(blocks) * block_size:
-            raise ValueError(
-                f"{where}: expected tokens below {len(blocks) * block_size} ({len(blocks)} "
-                f"blocks allocated), found tokens {start}..{stop - 1}"
-            )
-        first = start // block_size
-        last = (stop - 1) // block_size
-        block_ids = [block.block_id for block in blocks[first : last + 1]]
-        if _NULL_BLOCK_ID in block_ids:
-            raise RuntimeError(
-                f"{where}: tokens {start}..{stop - 1} map to vLLM's null block "
-                f"(block table {block_ids})"
-            )
-        hashes = self.request.block_hashes
-        for block in range(first, min(last + 1, len(hashes))):
-            block_keys[block_ids[block - first]] = hashes[block]
-        positions = np.arange(start, stop, dtype=np.int64)
-        ids = np.asarray(block_ids, dtype=np.int64)
-        slots: npt.NDArray[np.int64] = (
-            ids[positions // block_size - first] * block_size + positions % block_size
-        )
-        return slots
-
-
-def _check_no_hit(item: ScheduledRequest, where: str) -> None:
-    """Rejects a request whose hit fields the caller filled in.
-
-    NOTE: the wrapper owns the hits: it records each request's hit blocks and
-    their keys when it allocates them, and a caller's could name blocks the
-    request never adopted.
-    """
-    for name, value in (
-        ("hit_block_ids", item.hit_block_ids),
-        ("hit_block_keys", item.hit_block_keys),
-    ):
-        if not (isinstance(value, Sized) and len(value) == 0):
-            raise ValueError(
-                f"{where}.{name}: expected () (the wrapper fills in the hit it recorded), "
-                f"found {reprlib.repr(value)}"
-            )
-
-
-class _ReuseHook:
-    """Stands in for ``BlockPool.metrics_collector`` and forwards to the one it replaced.
-
-    vLLM calls ``on_block_evicted`` for each block it hands out, before the
-    block loses its key, and ``reset`` when the prefix cache is reset.
-    """
-
-    __slots__ = ("inner", "owner")
-
-    def __init__(self, owner: OmniKVCacheManager, inner: Any) -> None:
-        self.owner = owner
-        self.inner = inner
-
-    def on_block_evicted(self, block: Any) -> None:
-        self.owner._on_block_reused(block)
-        if self.inner is not None:
-            self.inner.on_block_evicted(block)
-
-    def reset(self) -> None:
-        self.owner._on_reset()
-        if self.inner is not None:
-            self.inner.reset()
-
-    def on_block_allocated(self, block: Any) -> None:
-        if self.inner is not None:
-            self.inner.on_block_allocated(block)
-
-    def on_block_accessed(self, block: Any) -> None:
-        if self.inner is not None:
-            self.inner.on_block_accessed(block)
-
-    def should_sample_block(self) -> bool:
-        return self.inner is not None and bool(self.inner.should_sample_block())
-
-    def drain_events(self) -> list[Any]:
-        return [] if self.inner is None else list(self.inner.drain_events())
-
-
 class OmniKVCacheManager:
     """A vLLM ``KVCacheManager`` whose blocks carry stored outputs in a `TensorStore`.
 
@@ -221,7 +140,7 @@ class OmniKVCacheManager:
         manager: the vLLM manager, with prefix caching enabled.
         store: a store with the manager's number of blocks and block size.
         kv_cache_group_id: the full-attention KV cache group whose block ids
-            index the store.
+            index the store (None: the first one).
         require_stored_outputs: cap each prefix hit to the leading blocks
             whose outputs the store holds for every registered entry, so that
             a hit always comes with its rows (the rest is recomputed). Free
@@ -236,7 +155,7 @@ class OmniKVCacheManager:
     __slots__ = (
         "_aborted_statuses",
         "_block_size",
-        "_group_id",
+        "_group",
         "_hook",
         "_listeners",
         "_manager",
@@ -251,12 +170,11 @@ class OmniKVCacheManager:
         manager: KVCacheManager,
         store: TensorStore,
         *,
-        kv_cache_group_id: int = 0,
+        kv_cache_group_id: int | None = None,
         require_stored_outputs: bool = True,
     ) -> None:
         require_vllm()
         from vllm.v1.core.kv_cache_manager import KVCacheManager
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
         from vllm.v1.request import RequestStatus
 
         if not isinstance(manager, KVCacheManager):
@@ -265,33 +183,28 @@ class OmniKVCacheManager:
             raise TypeError(f"store: expected a TensorStore, found {type_name(store)}")
         if not manager.enable_caching:
             raise ValueError("manager: expected enable_caching=True, found False")
-        groups = manager.kv_cache_config.kv_cache_groups
-        check_int("kv_cache_group_id", kv_cache_group_id, minimum=0, maximum=len(groups) - 1)
-        spec = groups[kv_cache_group_id].kv_cache_spec
-        if not isinstance(spec, FullAttentionSpec):
-            raise ValueError(
-                f"kv_cache_group_id: expected a full-attention group, found {type_name(spec)}"
-            )
+        group = store_group(manager, kv_cache_group_id)
         pool = manager.block_pool
-        if spec.block_size != store.block_size or pool.hash_block_size != store.block_size:
+        if group.block_size != store.block_size:
             raise ValueError(
-                f"store: expected block_size {spec.block_size} (vLLM's block size, hash block "
-                f"size {pool.hash_block_size}), found {store.block_size}"
+                f"store: expected block_size {group.block_size} (vLLM's block size in KV cache "
+                f"group {group.group_id}, hash block size {pool.hash_block_size}), found "
+                f"{store.block_size}"
             )
         if pool.num_gpu_blocks != store.num_blocks:
             raise ValueError(
                 f"store: expected {pool.num_gpu_blocks} blocks (vLLM's, null block 0 included), "
                 f"found {store.num_blocks}"
             )
-        if isinstance(pool.metrics_collector, _ReuseHook):
+        if isinstance(pool.metrics_collector, ReuseHook):
             raise ValueError("manager: expected a manager not wrapped yet, found one wrapped")
         check_bool("require_stored_outputs", require_stored_outputs)
         self._manager = manager
         self._store = store
-        self._group_id = kv_cache_group_id
+        self._group = group
         self._block_size = store.block_size
         self._require_stored = require_stored_outputs
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, RequestState] = {}
         self._listeners: list[StepListener] = []
         self._stats = OmniStats()
         self._aborted_statuses = frozenset(
@@ -299,7 +212,7 @@ class OmniKVCacheManager:
         )
         # NOTE: stamps can be trusted only while every reuse passes through
         # this hook; from here on vLLM cannot hand out a block unseen.
-        self._hook = _ReuseHook(self, pool.metrics_collector)
+        self._hook = ReuseHook(pool.metrics_collector, self._on_block_reused, self._on_reset)
         pool.metrics_collector = self._hook
 
     def __getattr__(self, name: str) -> Any:
@@ -373,44 +286,34 @@ class OmniKVCacheManager:
     ) -> tuple[KVCacheBlocks, int, int]:
         """vLLM's lookup, capped to the blocks whose outputs are stored (see the class)."""
         blocks, num_hit, boundary = self._manager.get_computed_blocks(request, *args, **kwargs)
-        blocks, num_hit = self._cap_hit(request, blocks, num_hit)
-        return blocks, num_hit, boundary
+        capped = self._cap_hit(request, blocks, num_hit)
+        return (blocks, num_hit, boundary) if capped is None else capped
 
     def get_computed_blocks_for_connector(
         self, request: Request, *args: Any, **kwargs: Any
     ) -> tuple[KVCacheBlocks, int, int, bool]:
-        """As ``get_computed_blocks`` for a scheduler with a KV connector."""
+        """As ``get_computed_blocks`` for a scheduler with a KV connector.
+
+        A capped hit is vLLM's reconciled lookup at the shorter length: every
+        group agrees on it, so it never diverges.
+        """
         blocks, num_hit, boundary, diverged = self._manager.get_computed_blocks_for_connector(
             request, *args, **kwargs
         )
-        blocks, num_hit = self._cap_hit(request, blocks, num_hit)
-        return blocks, num_hit, boundary, diverged
+        capped = self._cap_hit(request, blocks, num_hit)
+        return (blocks, num_hit, boundary, diverged) if capped is None else (*capped, False)
 
-    def _cap_hit(self, request: Request, blocks: Any, num_hit: int) -> tuple[Any, int]:
+    def _cap_hit(
+        self, request: Request, blocks: Any, num_hit: int
+    ) -> tuple[KVCacheBlocks, int, int] | None:
         self._stats.num_lookups += 1
         if num_hit == 0 or not self._require_stored or not self._store.entries:
-            return blocks, num_hit
-        num_blocks = num_hit // self._block_size
-        hit = blocks.blocks[self._group_id][:num_blocks]
-        keys = request.block_hashes[:num_blocks]
-        num_valid = self._store.probe([block.block_id for block in hit], keys)
-        if num_valid == num_blocks:
-            return blocks, num_hit
-        self._stats.num_capped_blocks += num_blocks - num_valid
-        # NOTE: a free block without its outputs can never serve a hit (only
-        # an owner writes rows), yet vLLM would keep finding it first among
-        # blocks that share its key, such as the copy this request is about
-        # to compute. Dropping its key lets the next lookup find the copy. A
-        # held block keeps its key: its owner may still commit deferred rows.
-        useless = {
-            block.block_id
-            for block, key in zip(hit[num_valid:], keys[num_valid:], strict=True)
-            if block.ref_cnt == 0 and not self._store.probe([block.block_id], [key])
-        }
-        if useless:
-            self._manager.evict_blocks(useless)
-        num_hit = num_valid * self._block_size
-        return self._manager.truncate_computed_blocks(blocks, num_hit), num_hit
+            return None
+        capped, num_capped = cap_hit(
+            self._manager, self._store, self._group, request, blocks, num_hit
+        )
+        self._stats.num_capped_blocks += num_capped
+        return capped
 
     def allocate_slots(
         self,
@@ -423,8 +326,8 @@ class OmniKVCacheManager:
     ) -> KVCacheBlocks | None:
         """vLLM's allocation; records the request's blocks and the hit it adopts.
 
-        The keys of the request's blocks are ``request.block_hashes``, block
-        for block; they stamp the rows `write_outputs` writes.
+        The keys of the request's blocks in the store group (``request.block_hashes``
+        at that group's block size) stamp the rows `write_outputs` writes.
         """
         new_blocks = self._manager.allocate_slots(
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, *args, **kwargs
@@ -437,9 +340,9 @@ class OmniKVCacheManager:
             # NOTE: vLLM extends a request's block list in place until the
             # request is freed, so the list fetched at admission stays its
             # table while it runs.
-            table = self._manager.coordinator.get_blocks(request_id)[self._group_id]
+            table = self._manager.coordinator.get_blocks(request_id)[self._group.group_id]
             if state is None:
-                state = _RequestState(request, table)
+                state = RequestState(request, table, self._group.scale)
                 self._requests[request_id] = state
             else:
                 state.blocks = table
@@ -449,9 +352,9 @@ class OmniKVCacheManager:
             and request.num_computed_tokens == 0
         ):
             num_blocks = num_new_computed_tokens // self._block_size
-            hit = new_computed_blocks.blocks[self._group_id][:num_blocks]
+            hit = new_computed_blocks.blocks[self._group.group_id][:num_blocks]
             state.hit_block_ids = tuple(block.block_id for block in hit)
-            state.hit_block_keys = tuple(request.block_hashes[:num_blocks])
+            state.hit_block_keys = tuple(state.keys()[:num_blocks])
             state.num_hit_tokens = num_blocks * self._block_size
             self._stats.num_hit_blocks += num_blocks
         if self._listeners and num_new_tokens > 0:
@@ -493,7 +396,7 @@ class OmniKVCacheManager:
                         f"request {request_id!r}: staged outputs but no blocks recorded"
                     )
                 block_ids = [block.block_id for block in state.blocks]
-                self._store.commit(request_id, block_ids, request.block_hashes[: len(block_ids)])
+                self._store.commit(request_id, block_ids, state.keys()[: len(block_ids)])
                 self._stats.num_commits += 1
         self._requests.pop(request_id, None)
 
@@ -515,10 +418,7 @@ class OmniKVCacheManager:
     def request_block_keys(self, request_id: str) -> dict[int, BlockHash]:
         """Block id -> key of each of the request's full blocks: the stamps its rows get."""
         state = self._state(request_id, "request_id")
-        return {
-            block.block_id: key
-            for block, key in zip(state.blocks, state.request.block_hashes, strict=False)
-        }
+        return {block.block_id: key for block, key in zip(state.blocks, state.keys(), strict=False)}
 
     def hit_outputs(
         self, request_id: str, names: Sequence[str] | None = None
@@ -600,7 +500,7 @@ class OmniKVCacheManager:
             strict=strict,
         )
 
-    def _state(self, request_id: str, what: str) -> _RequestState:
+    def _state(self, request_id: str, what: str) -> RequestState:
         state = self._requests.get(request_id)
         if state is None:
             raise ValueError(
@@ -628,7 +528,7 @@ class OmniKVCacheManager:
             seen.add(item.req_id)
             num_new = check_int(f"{where}.num_new_tokens", item.num_new_tokens, minimum=0)
             start = check_int(f"{where}.num_computed_tokens", item.num_computed_tokens, minimum=0)
-            _check_no_hit(item, where)
+            check_no_hit(item, where)
             if num_new:
                 parts.append(state.slots(start, num_new, self._block_size, block_keys, where))
             if with_hits and state.num_hit_tokens and start == state.num_hit_tokens:

@@ -47,6 +47,7 @@ from omnicache.block_hash import DEFAULT_BLOCK_ALGORITHM
 from omnicache.integrations.vllm.block_hasher import RequestBlockHasher, scheduler_block_hasher
 from omnicache.integrations.vllm.common import vllm_series
 from omnicache.integrations.vllm.connector import OmniStoreConnector
+from omnicache.integrations.vllm.groups import store_group
 from omnicache.integrations.vllm.manager import OmniKVCacheManager
 from omnicache.integrations.vllm.mirror import StoreMirror
 from omnicache.store import TensorStore
@@ -100,8 +101,11 @@ class OmniScheduler(Scheduler):  # type: ignore[misc]
             namespace=namespace,
             algorithm=algorithm_from_env(),
         )
-        store = TensorStore(manager.block_pool.num_gpu_blocks, self.hash_block_size)
-        self.omni_manager = OmniKVCacheManager(manager, store)
+        # NOTE: the store's rows follow one full-attention group, whose blocks
+        # may be coarser than the hash blocks (see `store_group`).
+        group = store_group(manager, None)
+        store = TensorStore(manager.block_pool.num_gpu_blocks, group.block_size)
+        self.omni_manager = OmniKVCacheManager(manager, store, kv_cache_group_id=group.group_id)
         self.kv_cache_manager = self.omni_manager
         self.omni_mirror: StoreMirror | None = None
         # NOTE: vLLM builds the connector (by name) inside its scheduler's
