@@ -2,9 +2,10 @@
 
 One configuration per kind of model vLLM prefix-caches: full attention only;
 full attention beside sliding-window, chunked local attention or Mamba
-layers; a full-attention group coarser than the hash blocks; and hash blocks
-finer than the KV blocks with an aligned Mamba group, where vLLM hits partial
-blocks and copies the shared tail on write. For each:
+layers, or beside a circular buffer (never cached) and a sliding window; a
+full-attention group coarser than the hash blocks; and hash blocks finer than
+the KV blocks with an aligned Mamba group, where vLLM hits partial blocks and
+copies the shared tail on write. For each:
 
 - the wrapper's hits and block tables equal those of vLLM's own manager
   driven with the same requests (where vLLM hits a partial block, the
@@ -13,7 +14,8 @@ blocks and copies the shared tail on write. For each:
   common text;
 - a tail block vLLM copies on write is never stamped, the mirror's plans
   stamp a worker's store as the mirror, and what the store cannot follow is
-  refused.
+  refused, as is every kind of group vLLM itself does not prefix-cache (the
+  error says why).
 
 The randomized run per configuration is in ``test_vllm_hybrid_sim.py``.
 """
@@ -47,12 +49,22 @@ pytestmark = pytest.mark.skipif(VLLM_MISSING is not None, reason=VLLM_MISSING or
 
 if VLLM_MISSING is None:
     import vllm
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+    from vllm.v1.core.single_type_kv_cache_manager import SinkFullAttentionManager
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
+        CircularBufferSpec,
         CrossAttentionSpec,
         FullAttentionSpec,
+        HiSparseHotSpec,
+        HiSparseResidentSpec,
+        KVCacheConfig,
+        KVCacheGroupRole,
+        KVCacheGroupSpec,
         MambaSpec,
+        RSWASpec,
+        SinkFullAttentionSpec,
         SlidingWindowSpec,
     )
     from vllm.v1.request import RequestStatus
@@ -83,6 +95,8 @@ class Config(NamedTuple):
                         block_size=block_size, attention_chunk_size=extent, **common
                     )
                 )
+            elif kind == "ring":
+                specs.append(CircularBufferSpec(block_size=block_size, **common))
             else:
                 assert kind == "mamba"
                 specs.append(
@@ -106,6 +120,8 @@ CONFIGS = [
     Config("full+chunked", (("full", 16, 0), ("chunked", 16, 32)), 48),
     Config("full+mamba", (("full", 16, 0), ("mamba", 16, 0)), 48),
     Config("full32+sliding16", (("full", 32, 0), ("sliding", 16, 32)), 48),
+    # A circular buffer: one scratch block per request, left out of vLLM's lookups.
+    Config("full+ring+sliding", (("full", 16, 0), ("ring", 16, 0), ("sliding", 16, 32)), 48),
     Config("finer-hashes", (("full", 64, 0), ("mamba", 64, 0)), 32),
 ]
 CONFIG_IDS = [config.name for config in CONFIGS]
@@ -280,6 +296,7 @@ EXPECTED_HITS = {
     # store serves whole blocks ("red-longer-again" resumes at 176, inside
     # the third block, so it gets two).
     "finer-hashes": ([0, 144, 64, 0, 144, 176, 144], [0, 128, 64, 0, 128, 128, 128]),
+    "full+ring+sliding": ([0, 144, 64, 0, 144, 176, 144], [0, 144, 64, 0, 144, 176, 144]),
 }
 
 
@@ -401,9 +418,6 @@ def test_configurations_the_store_cannot_follow_are_refused() -> None:
         )
         # Refused before anything changed: vLLM's collector is its own.
         assert manager.block_pool.metrics_collector is None
-    cross = CrossAttentionSpec(block_size=16, **common)
-    with pytest.raises(ValueError, match=r"found CrossAttentionManager for group 1"):
-        OmniKVCacheManager(new_hybrid_kv_cache_manager(16, [full, cross], max_model_len=512), store)
     hybrid = new_hybrid_kv_cache_manager(16, [full, sliding], max_model_len=512)
     with pytest.raises(ValueError) as info:
         OmniKVCacheManager(hybrid, store, kv_cache_group_id=1)
@@ -421,6 +435,121 @@ def test_configurations_the_store_cannot_follow_are_refused() -> None:
         OmniKVCacheManager(coarse, store)
     wrapper = OmniKVCacheManager(coarse, TensorStore(16, 32))
     assert wrapper.manager is coarse
+
+
+KINDS = "full attention, sliding window, chunked local attention, Mamba, circular buffer"
+HISPARSE = (
+    "vLLM does not prefix-cache HiSparse hot or resident groups (their spec is not "
+    "prefix_cacheable); a HiSparse model's prefix cache is its source group's host pages"
+)
+
+
+def refused(manager: Any, store: TensorStore) -> str:
+    with pytest.raises(ValueError) as info:
+        OmniKVCacheManager(manager, store)
+    # Refused before anything changed: vLLM's collector is its own.
+    assert manager.block_pool.metrics_collector is None
+    return str(info.value)
+
+
+def test_kinds_of_group_vllm_does_not_prefix_cache_are_refused_with_the_reason() -> None:
+    common = {"num_kv_heads": 1, "head_size": 8, "dtype": torch.float16}
+    full = FullAttentionSpec(block_size=16, **common)
+    store = TensorStore(16, 16)
+
+    def build(*groups: Any) -> Any:
+        config = KVCacheConfig(
+            num_blocks=16,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                KVCacheGroupSpec([f"layer.{i}"], spec, role=role)
+                for i, (spec, role) in enumerate(groups)
+            ],
+        )
+        return KVCacheManager(
+            config,
+            max_model_len=512,
+            scheduler_block_size=16,
+            hash_block_size=16,
+            enable_caching=True,
+        )
+
+    default, source = KVCacheGroupRole.DEFAULT, KVCacheGroupRole.HISPARSE_SOURCE
+    cases = [
+        (
+            [(full, default), (CrossAttentionSpec(block_size=16, **common), default)],
+            "CrossAttentionManager for group 1 (CrossAttentionSpec): vLLM does not "
+            "prefix-cache cross-attention: encoder-decoder models do not support prefix "
+            "caching, and this manager's lookup raises",
+        ),
+        (
+            [(full, default), (RSWASpec(block_size=16, rswa_window=32, **common), default)],
+            "RSWAManager for group 1 (RSWASpec): vLLM does not prefix-cache reference sliding "
+            "windows: the model that makes them (Unlimited-OCR) turns prefix caching off, its "
+            "decode KV not being a function of its prefix",
+        ),
+        (
+            [
+                (full, source),
+                (HiSparseHotSpec(block_size=16, page_size=64, blocks_per_request=2), default),
+            ],
+            "HiSparseSourceManager for group 0 (FullAttentionSpec): vLLM prefix-caches a "
+            "HiSparse model in this group's host pages, a block pool of their own, which the "
+            "store (indexed by the manager's pool) cannot follow",
+        ),
+        (
+            [
+                (full, default),
+                (HiSparseHotSpec(block_size=16, page_size=64, blocks_per_request=2), default),
+            ],
+            "HiSparseHotManager for group 1 (HiSparseHotSpec): " + HISPARSE,
+        ),
+        (
+            [(full, default), (HiSparseResidentSpec(block_size=16, page_size=64), default)],
+            "HiSparseResidentManager for group 1 (HiSparseResidentSpec): " + HISPARSE,
+        ),
+    ]
+    for groups, found in cases:
+        message = refused(build(*groups), store)
+        assert message == f"manager: expected KV cache groups of {KINDS}, found {found}"
+    # Static sinks: vLLM's coordinator cannot build their manager at all ...
+    sink = SinkFullAttentionSpec(block_size=16, sink_len=16, **common)
+    with pytest.raises(TypeError) as info:
+        build((full, default), (sink, default))
+    assert str(info.value) == (
+        "SinkFullAttentionManager.__init__() got an unexpected keyword argument "
+        "'needs_kv_cache_zeroing'"
+    )
+    # ... so one built by hand, over a real manager's pool, is refused too.
+    manager = build((full, default), (full, default))
+    by_hand = SinkFullAttentionManager(
+        sink,
+        block_pool=manager.block_pool,
+        enable_caching=True,
+        kv_cache_group_id=1,
+        scheduler_block_size=16,
+    )
+    coordinator = manager.coordinator
+    coordinator.single_type_managers = (coordinator.single_type_managers[0], by_hand)
+    assert refused(manager, store) == (
+        f"manager: expected KV cache groups of {KINDS}, found SinkFullAttentionManager for "
+        "group 1 (SinkFullAttentionSpec): vLLM does not prefix-cache static-sink attention: "
+        "its KV cache coordinator cannot build this manager (its constructor takes no "
+        "needs_kv_cache_zeroing)"
+    )
+    # Mamba outside "align": vLLM 0.33 refuses to build it with caching; 0.32 builds it.
+    unaligned = MambaSpec(
+        block_size=16, shapes=((2, 2),), dtypes=(torch.float32,), mamba_cache_mode="none"
+    )
+    if vllm.__version__.startswith("0.33."):
+        with pytest.raises(AssertionError) as failed:
+            build((full, default), (unaligned, default))
+        assert str(failed.value) == "Mamba prefix caching requires mamba_cache_mode='align'"
+    else:
+        assert refused(build((full, default), (unaligned, default)), store) == (
+            "manager: expected Mamba groups in mamba_cache_mode 'align' (the only mode vLLM "
+            "prefix-caches), found 'none' for group 1 (MambaSpec)"
+        )
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)

@@ -29,7 +29,8 @@ reporting failed loads) pass through the same hook. vLLM's block 0 is its
 null block: it is never handed out, so the store's block 0 stays unused.
 
 Hybrid models. With several KV cache groups (full attention beside sliding
-window, chunked local attention or Mamba), the store's rows follow one
+window, chunked local attention, Mamba or a circular buffer; kinds vLLM does
+not prefix-cache are refused), the store's rows follow one
 full-attention group's block ids (`groups.store_group` says why). Every group
 draws its blocks from the manager's one ``BlockPool``, so the one hook there
 sees every reuse, of every group; block ids are the pool's, so clearing a
