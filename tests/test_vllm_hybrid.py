@@ -22,6 +22,7 @@ The randomized run per configuration is in ``test_vllm_hybrid_sim.py``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import pytest
@@ -219,6 +220,26 @@ def prefill_chunks(request: Any, start: int) -> list[int]:
     return sorted(end for end in ends if end > start)
 
 
+def allocated_chunks(
+    manager: Any, request: Any, num_hit: int, blocks: Any
+) -> Iterator[tuple[int, int]]:
+    """Allocates the prompt chunk by chunk as vLLM's scheduler does, the hit with the first chunk.
+
+    Yields each chunk's ``(start, end)`` once its slots are allocated; the
+    request's computed tokens move to ``end`` when the caller asks for the next.
+    """
+    start = num_hit
+    for end in prefill_chunks(request, num_hit):
+        if start == num_hit:
+            assert manager.allocate_slots(request, end - start, num_hit, blocks)
+            request.num_computed_tokens = num_hit
+        else:
+            manager.new_step_starts()
+            assert manager.allocate_slots(request, end - start)
+        yield start, end
+        request.num_computed_tokens = start = end
+
+
 def run_scenario_plain(config: Config) -> list[tuple[str, int, int, tuple[list[int], ...]]]:
     manager = new_manager(config)
     results = []
@@ -226,15 +247,8 @@ def run_scenario_plain(config: Config) -> list[tuple[str, int, int, tuple[list[i
         request = scenario_request(rid, image, salt, extra)
         manager.new_step_starts()
         blocks, num_hit, first = vllm_whole_block_hit(manager, request, config.store_block_size)
-        start = num_hit
-        for end in prefill_chunks(request, num_hit):
-            if start == num_hit:
-                assert manager.allocate_slots(request, end - start, num_hit, blocks)
-                request.num_computed_tokens = num_hit
-            else:
-                manager.new_step_starts()
-                assert manager.allocate_slots(request, end - start)
-            request.num_computed_tokens = start = end
+        for _ in allocated_chunks(manager, request, num_hit, blocks):
+            pass
         results.append((rid, first, num_hit, manager.get_block_ids(rid)))
         request.status = RequestStatus.FINISHED_STOPPED
         manager.free(request)
@@ -247,14 +261,7 @@ def admit_and_compute(wrapper: OmniKVCacheManager, request: Any) -> int:
     wrapper.new_step_starts()
     blocks, num_hit, _ = wrapper.get_computed_blocks(request)
     rows = recompute(request)
-    start = num_hit
-    for end in prefill_chunks(request, num_hit):
-        if start == num_hit:
-            assert wrapper.allocate_slots(request, end - start, num_hit, blocks)
-            request.num_computed_tokens = num_hit
-        else:
-            wrapper.new_step_starts()
-            assert wrapper.allocate_slots(request, end - start)
+    for start, end in allocated_chunks(wrapper, request, num_hit, blocks):
         step = [ScheduledRequest(rid, end - start, start)]
         outputs = {
             "hidden_states": rows["hidden_states"][start:end],
@@ -266,7 +273,6 @@ def admit_and_compute(wrapper: OmniKVCacheManager, request: Any) -> int:
             assert merged.misses == ()
             assert torch.equal(merged.hidden_states[rid], rows["hidden_states"][:end])
             assert torch.equal(merged.tensors["codes"][rid], rows["codes"][:end])
-        request.num_computed_tokens = start = end
     return int(num_hit)
 
 
@@ -575,20 +581,12 @@ def test_the_mirror_and_a_workers_store_follow_the_store_group(config: Config) -
         wrapper.new_step_starts()
         blocks, num_hit, _ = wrapper.get_computed_blocks(request)
         hits.append(num_hit)
-        start = num_hit
-        for end in prefill_chunks(request, num_hit):
-            if start == num_hit:
-                assert wrapper.allocate_slots(request, end - start, num_hit, blocks)
-                request.num_computed_tokens = num_hit
-            else:
-                wrapper.new_step_starts()
-                assert wrapper.allocate_slots(request, end - start)
+        for start, end in allocated_chunks(wrapper, request, num_hit, blocks):
             prompt = {rid: request.num_tokens} if start == num_hit else {}
             plan = mirror.plan([(rid, start, end - start)], prompt, ())
             slots = planned_slots(plan.requests, config.store_block_size)
             assert slots is not None
             worker.apply(plan, [rid], rows[start:end], torch.from_numpy(slots))
-            request.num_computed_tokens = start = end
         # The worker's prompt hidden states: the hit's stored rows, then the computed ones.
         assert torch.equal(worker.take([rid])[rid], rows)  # type: ignore[arg-type]
         request.status = RequestStatus.FINISHED_STOPPED
@@ -615,13 +613,8 @@ def test_the_connectors_lookup_is_vllms_and_capped_alike(config: Config) -> None
     twin = scenario_request("red", RED_HEX, None, 0)
     plain.new_step_starts()
     blocks, _, _ = plain.get_computed_blocks(twin)
-    for end in prefill_chunks(twin, 0):
-        if twin.num_computed_tokens == 0:
-            assert plain.allocate_slots(twin, end, 0, blocks)
-        else:
-            plain.new_step_starts()
-            assert plain.allocate_slots(twin, end - twin.num_computed_tokens)
-        twin.num_computed_tokens = end
+    for _ in allocated_chunks(plain, twin, 0, blocks):
+        pass
     twin.status = RequestStatus.FINISHED_STOPPED
     plain.free(twin)
     for manager in (wrapper, plain):
