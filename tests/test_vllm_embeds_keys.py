@@ -74,26 +74,8 @@ def vllm_hasher(lookahead: int = 0) -> Hasher:
 
 
 def manager(lookahead: int = 0, num_blocks: int = 24) -> Any:
-    if not lookahead:
-        return new_kv_cache_manager(num_blocks, BLOCK_SIZE, max_model_len=1024)
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-    spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float16
-    )
-    config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(layer_names=["layer.0"], kv_cache_spec=spec)],
-    )
-    return KVCacheManager(
-        config,
-        max_model_len=1024,
-        scheduler_block_size=BLOCK_SIZE,
-        hash_block_size=BLOCK_SIZE,
-        enable_caching=True,
-        num_hash_lookahead_tokens=lookahead,
+    return new_kv_cache_manager(
+        num_blocks, BLOCK_SIZE, max_model_len=1024, num_hash_lookahead_tokens=lookahead
     )
 
 
@@ -399,6 +381,21 @@ def test_lookahead_keys_follow_the_documented_bytes() -> None:
     assert hasher.hash_blocks([*tokens, 1]) == [key0, key1, key2]
     # No lookahead: the root and the keys are those of scheme v1 as before.
     assert BlockHasher(BLOCK_SIZE, namespace=NAMESPACE).root != root
+
+
+def test_a_lookahead_manager_exists_on_vllm_033_only() -> None:
+    if IS_033:
+        assert manager(lookahead=3).block_pool.num_hash_lookahead_tokens == 3
+    else:
+        with pytest.raises(ValueError) as raised:
+            manager(lookahead=3)
+        assert str(raised.value) == (
+            "num_hash_lookahead_tokens: expected 0 (vLLM 0.32.x has no lookahead block "
+            "hashes), found 3"
+        )
+    with pytest.raises(ValueError) as raised:
+        manager(lookahead=-1)
+    assert str(raised.value) == "num_hash_lookahead_tokens: expected int >= 0, found -1"
 
 
 @needs_lookahead

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from omnicache.checks import check_bool, check_int
-from omnicache.integrations.vllm.common import require_vllm
+from omnicache.integrations.vllm.common import require_vllm, vllm_series
 
 __all__ = ["new_hybrid_kv_cache_manager", "new_kv_cache_manager"]
 
@@ -30,6 +30,7 @@ def new_kv_cache_manager(
     head_size: int = 8,
     dtype: torch.dtype = torch.float16,
     enable_kv_cache_events: bool = True,
+    num_hash_lookahead_tokens: int = 0,
 ) -> Any:
     """A `vllm.v1.core.kv_cache_manager.KVCacheManager` with prefix caching on.
 
@@ -40,6 +41,8 @@ def new_kv_cache_manager(
         num_kv_heads, head_size, dtype: The attention spec's shape (the
             scheduler side uses it only to size pages).
         enable_kv_cache_events: Whether the manager queues KV cache events.
+        num_hash_lookahead_tokens: vLLM 0.33's lookahead block hashes (EAGLE-
+            style drafters); vLLM 0.32 has none, so only 0 there.
     """
     require_vllm()
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -49,6 +52,16 @@ def new_kv_cache_manager(
     check_int("block_size", block_size, minimum=1)
     check_int("max_model_len", max_model_len, minimum=1)
     check_bool("enable_kv_cache_events", enable_kv_cache_events)
+    check_int("num_hash_lookahead_tokens", num_hash_lookahead_tokens, minimum=0)
+    lookahead: dict[str, int] = {}
+    if num_hash_lookahead_tokens:
+        series = vllm_series()
+        if series == "0.32.":
+            raise ValueError(
+                f"num_hash_lookahead_tokens: expected 0 (vLLM {series}x has no lookahead "
+                f"block hashes), found {num_hash_lookahead_tokens}"
+            )
+        lookahead["num_hash_lookahead_tokens"] = num_hash_lookahead_tokens
     spec = FullAttentionSpec(
         block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype
     )
@@ -64,6 +77,7 @@ def new_kv_cache_manager(
         hash_block_size=block_size,
         enable_caching=True,
         enable_kv_cache_events=enable_kv_cache_events,
+        **lookahead,
     )
 
 
