@@ -11,7 +11,7 @@ digests what those loaders produce. A digest computed outside the server (the
 equals the server's only when the file is opened by the same rules, which this
 module writes down once:
 
-Images (`load_image`):
+Images (`load_image`; `model_image` for a picture already decoded):
 
 1. Pillow identifies the file among `IMAGE_FORMATS` only (vLLM's list: no
    EPS, which may run Ghostscript, nor the formats Pillow only identifies).
@@ -64,7 +64,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 import soundfile
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 __all__ = [
     "AUDIO_EXTENSIONS",
@@ -77,6 +77,7 @@ __all__ = [
     "image_extensions",
     "load_audio",
     "load_image",
+    "model_image",
     "read_file",
 ]
 
@@ -216,11 +217,31 @@ def _bomb(exc: Image.DecompressionBombError, rules: MediaRules) -> str:
     return f"expected at most {limit:,} pixels, found {found} (a decompression bomb?)"
 
 
+def model_image(
+    image: Image.Image, /, *, rules: MediaRules = VLLM_RULES[DEFAULT_SERIES]
+) -> Image.Image:
+    """The picture vLLM's processor receives for a decoded image: image rules 3 and 6.
+
+    vLLM's multimodal parser turns every PIL image it is handed upright and
+    to RGB over white, whether it came as a PIL object to ``LLM`` or decoded
+    from an upload by the server; its digest names what the model sees only
+    after the same steps. An image already upright and RGB (what
+    `load_image` returns) is returned as it is.
+    """
+    return _to_rgb(_upright(image), rules)
+
+
+# EXIF orientations that turn or mirror the picture (1 and anything else leave it as stored).
+_TURNED = frozenset(range(2, 9))
+
+
 def _upright(image: Image.Image) -> Image.Image:
     """The image turned as its EXIF orientation says; unturned where Pillow cannot apply it."""
     # NOTE: vLLM suppresses every exception here, so a broken EXIF block
     # leaves the image as stored; doing otherwise would change its digest.
     try:
+        if image.getexif().get(ExifTags.Base.Orientation, 1) not in _TURNED:
+            return image  # what exif_transpose returns, without its copy
         return ImageOps.exif_transpose(image)
     except Exception:
         return image

@@ -38,10 +38,6 @@ from omnicache.integrations.vllm import (
     make_request,
     multi_modal_uuids,
 )
-from omnicache.integrations.vllm.identifiers import (
-    IdentifierMismatchError,
-    checked_multi_modal_uuids,
-)
 from omnicache.integrations.vllm.kv_cache import new_kv_cache_manager
 from omnicache.integrations.vllm.prompt_embeds import prompt_embeds_digest
 from omnicache.store import ScheduledRequest, StaleBlockError, TensorStore
@@ -299,70 +295,6 @@ def test_multi_modal_uuids_lists_identifiers_per_modality() -> None:
     assert uuids == {"image": [RED_HEX, BLUE_HEX], "audio": [hash_audio(wave, 8_000).hex()]}
     with pytest.raises(ValueError, match=r"mm_data: expected modalities among .*found 'depth'"):
         multi_modal_uuids({"depth": RED})
-
-
-def test_front_end_identifiers_fill_in_digests_and_keep_client_names() -> None:
-    wave = np.ones(400, dtype=np.float32)
-    found = checked_multi_modal_uuids(
-        {"image": [RED, BLUE, None], "audio": (wave, 8_000)},
-        {"image": [None, "client-photo-7", "cached-item"]},
-    )
-    assert found == {
-        "image": [RED_HEX, "client-photo-7", "cached-item"],
-        "audio": [hash_audio(wave, 8_000).hex()],
-    }
-    # A digest-shaped uuid is accepted only as the item's own digest.
-    assert checked_multi_modal_uuids({"image": RED}, {"image": RED_HEX}) == {"image": [RED_HEX]}
-    # A front end's wrapper around decoded media is unwrapped before digesting.
-    boxed = checked_multi_modal_uuids(
-        {"image": [("boxed", RED)]}, None, unwrap=lambda modality, item: item[1]
-    )
-    assert boxed == {"image": [RED_HEX]}
-    # An item that cannot be digested here and has no uuid is left to vLLM.
-    embeds = torch.zeros(4, 8)
-    assert checked_multi_modal_uuids({"image_embeds": embeds}, None) == {"image_embeds": [None]}
-
-
-def test_front_end_refuses_a_uuid_naming_another_items_digest() -> None:
-    with pytest.raises(
-        IdentifierMismatchError,
-        match=rf"^multi_modal_uuids\['image'\]\[1\]: expected the item's content digest "
-        rf"{BLUE_HEX} or a uuid that is not shaped as a digest, found {RED_HEX}$",
-    ):
-        checked_multi_modal_uuids({"image": [RED, BLUE]}, {"image": [None, RED_HEX]})
-    with pytest.raises(
-        IdentifierMismatchError,
-        match=r"^multi_modal_uuids\['image_embeds'\]\[0\]: expected a uuid that is not shaped "
-        rf"as a digest for an item whose digest cannot be checked \(.*\), found {RED_HEX}$",
-    ):
-        checked_multi_modal_uuids({"image_embeds": torch.zeros(4, 8)}, {"image_embeds": RED_HEX})
-    assert issubclass(IdentifierMismatchError, ValueError)
-
-
-def test_front_end_identifiers_check_the_uuids_shape() -> None:
-    with pytest.raises(
-        ValueError,
-        match=r"^multi_modal_uuids\['image'\]: expected 2 uuids \(one per item\), found 1$",
-    ):
-        checked_multi_modal_uuids({"image": [RED, BLUE]}, {"image": ["a"]})
-    with pytest.raises(
-        ValueError,
-        match=r"^multi_modal_uuids: expected modalities among those of multi_modal_data "
-        r"\['image'\], found 'audio'$",
-    ):
-        checked_multi_modal_uuids({"image": RED}, {"audio": "a"})
-    with pytest.raises(
-        TypeError, match=r"^multi_modal_uuids\['image'\]\[0\]: expected str or None, found int$"
-    ):
-        checked_multi_modal_uuids({"image": RED}, {"image": 7})
-    with pytest.raises(
-        TypeError, match=r"^multi_modal_uuids: expected a mapping modality -> uuids, found list$"
-    ):
-        checked_multi_modal_uuids({"image": RED}, ["a"])  # type: ignore[arg-type]
-    with pytest.raises(
-        TypeError, match=r"^multi_modal_data: expected a mapping modality -> items, found str$"
-    ):
-        checked_multi_modal_uuids("image", None)  # type: ignore[arg-type]
 
 
 def test_adapter_id_needs_a_lora_name_and_path() -> None:

@@ -14,6 +14,7 @@ differ, code branches on `vllm_series`, and only there.
 from __future__ import annotations
 
 import importlib.metadata
+from typing import Any
 
 __all__ = [
     "CONNECTOR_MODULE",
@@ -21,14 +22,17 @@ __all__ = [
     "INSTALL_HINT",
     "LIVE_INSTALL_HINT",
     "PROMPT_HIDDEN_STATES",
+    "REQUEST_FIELDS",
     "SCHEDULER_CLS",
     "VLLM_SERIES",
     "WORKER_CLS",
+    "check_request_fields",
     "live_engine_missing",
     "require_live_engine",
     "require_vllm",
     "store_kv_transfer_config",
     "vllm_series",
+    "wants_prompt_hidden_states",
 ]
 
 INSTALL_HINT = (
@@ -51,6 +55,9 @@ CONNECTOR_NAME = "OmniStoreConnector"
 CONNECTOR_MODULE = "omnicache.integrations.vllm.connector"
 PROMPT_HIDDEN_STATES = "omnicache_prompt_hidden_states"
 """The ``extra_args`` key with which a request asks for its prompt's hidden states."""
+REQUEST_FIELDS = (PROMPT_HIDDEN_STATES,)
+"""omnicache's request fields: the ``extra_args`` keys it reads (every ``omnicache_`` key is
+its own)."""
 
 
 def store_kv_transfer_config() -> dict[str, str]:
@@ -60,6 +67,60 @@ def store_kv_transfer_config() -> dict[str, str]:
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both",
     }
+
+
+def wants_prompt_hidden_states(sampling_params: Any) -> bool:
+    """Whether a request's sampling parameters ask for its prompt's hidden states.
+
+    Raises:
+        ValueError: the ``extra_args`` entry is there but is not a bool.
+    """
+    extra = getattr(sampling_params, "extra_args", None)
+    if not extra or PROMPT_HIDDEN_STATES not in extra:
+        return False
+    value = extra[PROMPT_HIDDEN_STATES]
+    # NOTE: the server's ``vllm_xargs`` carry no bools: 1 and 0 stand for them.
+    if not (isinstance(value, bool) or (type(value) is int and value in (0, 1))):
+        raise ValueError(
+            f"extra_args[{PROMPT_HIDDEN_STATES!r}]: expected True or False (or 1 or 0), "
+            f"found {value!r}"
+        )
+    return bool(value)
+
+
+def check_request_fields(sampling_params: Any, *, kv_connector: str | None) -> None:
+    """Refuses a request whose omnicache fields cannot be served as they ask.
+
+    Args:
+        sampling_params: the request's ``SamplingParams`` (other params: no fields).
+        kv_connector: the engine's ``kv_transfer_config.kv_connector`` (None: none).
+
+    Raises:
+        ValueError: an ``omnicache_`` key that is not one of `REQUEST_FIELDS`; a
+            value `wants_prompt_hidden_states` refuses; prompt hidden states
+            asked with ``n`` other than 1 (the choices share one prompt, and a
+            result is taken by the one id the response carries), or of an
+            engine without `CONNECTOR_NAME`.
+    """
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    for key in extra:
+        if isinstance(key, str) and key.startswith("omnicache_") and key not in REQUEST_FIELDS:
+            raise ValueError(
+                f"extra_args: expected omnicache fields among {REQUEST_FIELDS}, found {key!r}"
+            )
+    if not wants_prompt_hidden_states(sampling_params):
+        return
+    n = getattr(sampling_params, "n", 1)
+    if n != 1:
+        raise ValueError(
+            f"extra_args[{PROMPT_HIDDEN_STATES!r}]: expected n=1 (one prompt, one result: ask "
+            f"the other choices in a second request, which hits the prefix cache), found n={n}"
+        )
+    if kv_connector != CONNECTOR_NAME:
+        raise ValueError(
+            f"extra_args[{PROMPT_HIDDEN_STATES!r}]: expected an engine that keeps hidden states "
+            f"(kv_transfer_config naming {CONNECTOR_NAME!r}), found kv_connector {kv_connector!r}"
+        )
 
 
 VLLM_SERIES = ("0.32.", "0.33.")

@@ -82,6 +82,7 @@ from omnicache.integrations.vllm.common import (
     CONNECTOR_NAME,
     PROMPT_HIDDEN_STATES,
     vllm_series,
+    wants_prompt_hidden_states,
 )
 from omnicache.integrations.vllm.kv_tier import (
     TierConfig,
@@ -121,32 +122,12 @@ __all__ = [
     "wants_prompt_hidden_states",
 ]
 
-"""The ``SamplingParams.extra_args`` key by which a request asks for its prompt's hidden states."""
 REQUEST_ID_PARAM = "omnicache_request_id"
 """The ``kv_transfer_params`` key of the engine core's id of a request that asked."""
 EXTERNAL_TOKENS_PARAM = "omnicache_external_tokens"
 """The ``kv_transfer_params`` key of the tokens a request's first admission loaded from the tier."""
 
 _LOG = logging.getLogger(__name__)
-
-
-def wants_prompt_hidden_states(sampling_params: Any) -> bool:
-    """Whether a request's sampling parameters ask for its prompt's hidden states.
-
-    Raises:
-        ValueError: the ``extra_args`` entry is there but is not a bool.
-    """
-    extra = getattr(sampling_params, "extra_args", None)
-    if not extra or PROMPT_HIDDEN_STATES not in extra:
-        return False
-    value = extra[PROMPT_HIDDEN_STATES]
-    # NOTE: the server's ``vllm_xargs`` carry no bools: 1 and 0 stand for them.
-    if not (isinstance(value, bool) or (type(value) is int and value in (0, 1))):
-        raise ValueError(
-            f"extra_args[{PROMPT_HIDDEN_STATES!r}]: expected True or False (or 1 or 0), "
-            f"found {value!r}"
-        )
-    return bool(value)
 
 
 @dataclass
@@ -378,7 +359,9 @@ class OmniStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 def _asks(req_id: str, sampling_params: Any) -> bool:
     """`wants_prompt_hidden_states`, where a bad value is logged and taken as no.
 
-    NOTE: an exception here would stop the engine for one request's typo.
+    NOTE: the front end refuses a bad value before the request gets here
+    (`omnicache.integrations.vllm.frontend`); one that comes another way
+    (vLLM's plugins limited by ``VLLM_PLUGINS``) must not stop the engine.
     """
     try:
         return wants_prompt_hidden_states(sampling_params)

@@ -1,58 +1,126 @@
-"""omnicache's content digests as vLLM's multimodal identifiers, filled in by the front end.
+"""omnicache in vLLM's front end: request fields checked, items identified by their content.
 
-Each prompt's identifiers are replaced by `checked_multi_modal_uuids`: every
-item without a uuid gets the `hashing` digest of its decoded content,
-computed in the front-end process (where the items are still whole: the
-engine core may receive an item's data as None when vLLM's processor cache
-holds it), just before vLLM's multimodal processing. The digests reach the
-engine core as ``mm_features[i].identifier``, so a `RequestBlockHasher`
-there keys each item by its omnicache digest. The same image sent as a PIL
-object to ``LLM`` or as base64 to the OpenAI server gets the same digest.
+vLLM calls `register` (the ``vllm.general_plugins`` entry point ``omnicache``)
+in each of its processes. In the front end (``LLM``'s process, the OpenAI
+server's), it puts two checks where vLLM admits a request, both before
+anything is scheduled or cached; a refusal is a ``ValueError`` (HTTP 400 from
+the server) that names what was expected and what was found:
 
-A uuid a client sends (``multi_modal_uuids``, or ``"uuid"`` in a chat
-content part) is kept unless it is shaped as a digest: the engine core takes
-such an identifier as content, so it must be the item's own digest, and any
-other is refused with `IdentifierMismatchError` (a ``ValueError``: the
-server answers 400 and nothing is scheduled or cached). A client cannot make
-its image stand in for another one's blocks, nor for vLLM's processor cache
-entry of another image. An item `hashing` cannot digest (precomputed
-embeddings) and that has no uuid is left to vLLM's own hash.
+- always: omnicache's request fields (``extra_args``, the server's
+  ``vllm_xargs``) are checked by `check_request_fields`: an unknown
+  ``omnicache_`` key, a value that is not one of those accepted, prompt
+  hidden states asked of an engine without omnicache's store or with
+  ``n`` > 1. Requests without such fields are not looked at.
+- with ``OMNICACHE_MM_UUIDS=1``: every image, audio clip or video is
+  identified to the engine by the `hashing` digest of its decoded content
+  (`checked_multi_modal_uuids`), computed here, where items are still whole
+  (the engine core may receive an item's data as None when vLLM's processor
+  cache holds it). A PIL image is digested as vLLM's processor receives it
+  (upright, RGB), so the same picture sent as a PIL object of any mode to
+  ``LLM`` or as base64 to the server gets the same digest, and so the same
+  keys. A uuid a client sends is never the engine's identifier (vLLM's
+  processor and encoder caches are not salted per tenant): one shaped as a
+  digest must be the item's own, an item sent without data is refused.
 
-This is the one module that patches vLLM: vLLM has no extension point where
-the front end fills in identifiers, so ``BaseRenderer._process_multimodal``
-(``vllm/renderers/base.py``) is wrapped. The wrapper was written against vLLM
-`PATCHED_VERSION` and refuses any other version.
-
-Turned on by ``OMNICACHE_MM_UUIDS=1`` in the front end's environment: vLLM
-calls `register` (the ``vllm.general_plugins`` entry point ``omnicache``) in
-each of its processes, and it does nothing without that variable.
+This is the one module that patches vLLM, since vLLM has no extension point
+at either place: ``InputProcessor._validate_params``
+(``vllm/v1/engine/input_processor.py``) and
+``BaseRenderer._process_multimodal`` (``vllm/renderers/base.py``) are
+wrapped. Each wrapper checks the signature it was written for (`PATCHED`),
+not a version: the identifier patch refuses to start on another signature;
+the request check, on by default for every vLLM with omnicache installed,
+logs a warning and stays out (the engine core then logs a bad value and
+ignores it instead).
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from omnicache.integrations.vllm.common import vllm_series
+from omnicache.integrations.vllm.common import check_request_fields, vllm_series
 from omnicache.integrations.vllm.identifiers import checked_multi_modal_uuids
+from omnicache.media import VLLM_RULES
 
-__all__ = ["ENABLE_ENV", "PATCHED_VERSION", "install_mm_uuids", "register"]
+__all__ = ["ENABLE_ENV", "PATCHED", "install_mm_uuids", "install_request_checks", "register"]
 
 ENABLE_ENV = "OMNICACHE_MM_UUIDS"
-PATCHED_VERSION = "0.32.0"
 
-_MARK = "__omnicache_mm_uuids__"
+PATCHED: dict[str, tuple[str, ...]] = {
+    "BaseRenderer._process_multimodal": (
+        "self", "prompt", "mm_data", "mm_uuids", "mm_processor_kwargs", "media_io_kwargs",
+        "*", "skip_mm_cache",
+    ),
+    "InputProcessor._validate_params": ("self", "params", "supported_tasks"),
+}  # fmt: skip
+"""The parameters of each function the module wraps, as vLLM 0.32 and 0.33 have them
+(``"*"``: the rest are keyword-only)."""
+
+_MARK = "__omnicache_wrapped__"
+_LOG = logging.getLogger(__name__)
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: `install_mm_uuids` if ``OMNICACHE_MM_UUIDS=1``."""
+    """The ``vllm.general_plugins`` entry point: request checks; identifiers with the variable."""
     value = os.environ.get(ENABLE_ENV, "")
-    if value in ("", "0"):
-        return
-    if value != "1":
+    if value not in ("", "0", "1"):
         raise ValueError(f"{ENABLE_ENV}: expected '1' or '0', found {value!r}")
-    install_mm_uuids()
+    install_request_checks()
+    if value == "1":
+        install_mm_uuids()
+
+
+def _signature_mismatch(name: str, function: Callable[..., Any]) -> str | None:
+    """How ``function`` differs from the parameters `PATCHED` expects of it, or None."""
+    found: list[str] = []
+    for parameter in inspect.signature(function).parameters.values():
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY and "*" not in found:
+            found.append("*")
+        found.append(parameter.name)
+    if tuple(found) == PATCHED[name]:
+        return None
+    return f"{name}: expected parameters {PATCHED[name]}, found {tuple(found)}"
+
+
+def install_request_checks() -> None:
+    """Makes vLLM's input processor refuse bad omnicache request fields (idempotent).
+
+    Where vLLM has no ``InputProcessor._validate_params`` of the signature
+    it was written for, logs a warning and installs nothing: this runs in
+    every vLLM process where omnicache is installed, and must not stop one.
+    """
+    name = "InputProcessor._validate_params"
+    try:
+        from vllm.v1.engine.input_processor import InputProcessor
+
+        original = InputProcessor._validate_params
+    except (ImportError, AttributeError) as exc:
+        mismatch: str | None = f"{name}: expected it, found none ({exc})"
+    else:
+        if getattr(original, _MARK, False):
+            return
+        mismatch = _signature_mismatch(name, original)
+    if mismatch is not None:
+        _LOG.warning(
+            "omnicache: request fields are not checked in this front end (%s); the engine "
+            "ignores a bad one with a warning",
+            mismatch,
+        )
+        return
+
+    def _validate_params(self: Any, params: Any, supported_tasks: Any) -> Any:
+        result = original(self, params, supported_tasks)
+        transfer = self.vllm_config.kv_transfer_config
+        connector = None if transfer is None else transfer.kv_connector
+        check_request_fields(params, kv_connector=connector)
+        return result
+
+    setattr(_validate_params, _MARK, True)
+    _validate_params.__wrapped__ = original  # type: ignore[attr-defined]
+    InputProcessor._validate_params = _validate_params
 
 
 def _decoded(modality: str, item: object) -> object:
@@ -67,35 +135,28 @@ def _decoded(modality: str, item: object) -> object:
     return item
 
 
-def _identifiers(
-    mm_data: Mapping[str, object], mm_uuids: Mapping[str, object] | None
-) -> dict[str, list[str | None]]:
-    return checked_multi_modal_uuids(mm_data, mm_uuids, unwrap=_decoded)
-
-
 def install_mm_uuids() -> None:
-    """Makes vLLM's renderers fill in missing ``multi_modal_uuids`` (idempotent).
+    """Makes vLLM's renderers identify every item by its content digest (idempotent).
 
     Raises:
-        RuntimeError: vLLM is not version `PATCHED_VERSION`.
+        RuntimeError: ``BaseRenderer._process_multimodal`` is not the
+            function this was written for (`PATCHED`).
     """
-    vllm_series()
-    import vllm
+    series = vllm_series()
     from vllm.renderers.base import BaseRenderer
 
-    version = str(vllm.__version__)
-    if version != PATCHED_VERSION:
-        raise RuntimeError(
-            f"{ENABLE_ENV}=1: the front-end patch expects vLLM {PATCHED_VERSION} "
-            f"(BaseRenderer._process_multimodal), found {version}; unset {ENABLE_ENV} and "
-            "pass multi_modal_uuids=omnicache.integrations.vllm.multi_modal_uuids(mm_data) "
-            "in each prompt instead"
-        )
     original = BaseRenderer._process_multimodal
     if getattr(original, _MARK, False):
         return
+    mismatch = _signature_mismatch("BaseRenderer._process_multimodal", original)
+    if mismatch is not None:
+        raise RuntimeError(
+            f"{ENABLE_ENV}=1: the front-end patch does not fit this vLLM ({mismatch}); unset "
+            f"{ENABLE_ENV} and pass multi_modal_uuids=omnicache.integrations.vllm."
+            "multi_modal_uuids(mm_data) in each prompt instead"
+        )
+    rules = VLLM_RULES[series.rstrip(".")]
 
-    # NOTE: vLLM 0.32.0's signature, exactly: callers pass mm_uuids by keyword.
     def _process_multimodal(
         self: Any,
         prompt: list[int],
@@ -106,7 +167,7 @@ def install_mm_uuids() -> None:
         *,
         skip_mm_cache: bool = False,
     ) -> Any:
-        mm_uuids = _identifiers(mm_data, mm_uuids)
+        mm_uuids = checked_multi_modal_uuids(mm_data, mm_uuids, unwrap=_decoded, rules=rules)
         return original(
             self,
             prompt,

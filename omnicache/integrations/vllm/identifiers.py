@@ -3,7 +3,11 @@
 `content_identifier`, `multi_modal_uuids` and `make_mm_features` turn vLLM's
 multimodal inputs (PIL images, ``(waveform, sampling_rate)`` audio, video
 arrays) into identifiers through `hashing`, so that the keys the engine
-computes equal the keys omnicache computes for the same prompt.
+computes equal the keys omnicache computes for the same prompt. A PIL image
+is digested as vLLM's processor receives it (`omnicache.media.model_image`:
+upright, RGB over white), so one picture has one digest whichever way it
+reaches vLLM. `checked_multi_modal_uuids` is a front end's rule for the
+uuids clients send (docs/architecture.md, "Identifiers and tenants").
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
+
+from PIL import Image
 
 from hashing import (
     DEFAULT_ALGORITHM,
@@ -23,7 +29,8 @@ from hashing import (
     hash_video,
 )
 from omnicache.checks import check_str, type_name
-from omnicache.integrations.vllm.common import require_vllm
+from omnicache.integrations.vllm.common import require_vllm, vllm_series
+from omnicache.media import DEFAULT_SERIES, VLLM_RULES, MediaRules, model_image
 
 if TYPE_CHECKING:
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
@@ -32,6 +39,7 @@ __all__ = [
     "HEX_DIGEST",
     "SUPPORTED_MODALITIES",
     "UUID_NAMESPACE",
+    "DataLessItemError",
     "IdentifierMismatchError",
     "checked_multi_modal_uuids",
     "content_identifier",
@@ -57,19 +65,24 @@ def content_identifier(
     modality: str,
     algorithm: Algorithm = DEFAULT_ALGORITHM,
     context: Mapping[str, object] | None = None,
+    rules: MediaRules | None = None,
 ) -> str:
     """The identifier of one vLLM multimodal item: its `hashing` digest in hex.
 
     Args:
-        item: for "image" a PIL image or a uint8 array/tensor; for "audio" a
-            ``(waveform, sampling_rate)`` tuple as vLLM takes it; for "video"
-            an array/tensor ``(frames, height, width[, channels])`` or a list
-            of frames; for any modality the encoded file's bytes or a
-            precomputed `hashing.ContentHash`.
+        item: for "image" a PIL image (digested as vLLM's processor receives
+            it: `omnicache.media.model_image`) or a uint8 array/tensor; for
+            "audio" a ``(waveform, sampling_rate)`` tuple as vLLM takes it;
+            for "video" an array/tensor ``(frames, height, width[, channels])``
+            or a list of frames; for any modality the encoded file's bytes or
+            a precomputed `hashing.ContentHash`.
         modality: one of `SUPPORTED_MODALITIES`.
         algorithm: the content digest's algorithm ("blake3" by default).
         context: processing parameters that change what the model sees (model
             id, resize settings); they enter the digest.
+        rules: the vLLM series' rules a PIL image is made RGB by; None: those
+            of the installed vLLM (of `omnicache.media.DEFAULT_SERIES` where
+            none is importable).
 
     Returns:
         The digest as lowercase hex: what `RequestBlockHasher` reads back from
@@ -96,8 +109,19 @@ def content_identifier(
         waveform, sampling_rate = item
         return hash_audio(waveform, sampling_rate, algorithm=algorithm, context=context).hex()
     if modality == "image":
+        if isinstance(item, Image.Image):
+            item = model_image(item, rules=installed_rules() if rules is None else rules)
         return hash_image(item, algorithm=algorithm, context=context).hex()
     return hash_video(item, algorithm=algorithm, context=context).hex()
+
+
+def installed_rules() -> MediaRules:
+    """The media rules of the installed vLLM's series (`DEFAULT_SERIES`'s without one)."""
+    try:
+        series = vllm_series()
+    except ImportError:
+        series = DEFAULT_SERIES
+    return VLLM_RULES[series.rstrip(".")]
 
 
 def _modality_items(mm_data: Mapping[str, object], what: str) -> dict[str, list[object]]:
@@ -216,6 +240,10 @@ class IdentifierMismatchError(ValueError):
     """A uuid shaped as a content digest that is not the digest of the item it came with."""
 
 
+class DataLessItemError(ValueError):
+    """An item sent without its data, referred to by a uuid alone."""
+
+
 def _uuid_items(
     mm_uuids: Mapping[str, object] | None, counts: Mapping[str, int]
 ) -> dict[str, list[str | None]]:
@@ -256,22 +284,27 @@ def checked_multi_modal_uuids(
     *,
     unwrap: Callable[[str, object], object] | None = None,
     algorithm: Algorithm = DEFAULT_ALGORITHM,
+    rules: MediaRules | None = None,
 ) -> dict[str, list[str | None]]:
-    """A front end's identifiers: each item's digest, client uuids kept only where safe.
+    """A front end's identifiers: each item's content digest, never a client's name.
 
-    For each item (in the order of ``mm_data``), with ``given`` its uuid in
-    ``mm_uuids`` (None when absent):
+    vLLM keys its multimodal processor cache, its encoder cache and its
+    prefix cache by an item's identifier, and only the last is salted per
+    tenant: an identifier a client chooses would let one tenant's request
+    read what another tenant sent under the same name. So the engine is
+    given identifiers that name content only. For each item (in the order of
+    ``mm_data``), with ``given`` its uuid in ``mm_uuids`` (None when absent):
 
-    - an item present with no uuid gets its `content_identifier`;
-    - an item present with a uuid shaped as a digest (`HEX_DIGEST`, which the
-      engine takes as a content digest) must carry exactly its own digest:
-      anything else would name another item's blocks with this item's
-      content, so it is refused;
-    - an item present with any other uuid (a client's own name for it) keeps
-      it: the engine hashes such names under `UUID_NAMESPACE`, apart from
-      every digest;
-    - an item sent as None (a client referring to an item vLLM has cached
-      under that uuid) keeps its uuid, as vLLM requires.
+    - an item sent without data (None: a reference to an item vLLM cached
+      under ``given``) is refused, whatever ``given`` is;
+    - an item with data gets its `content_identifier`; ``given`` is not
+      passed on. One shaped as a digest (`HEX_DIGEST`, which the engine takes
+      as content) must be the item's own digest: anything else would name
+      another item's blocks with this item's content, and is refused;
+    - an item that cannot be digested here (a modality or a type
+      `content_identifier` does not take, such as precomputed embeddings)
+      gets None: vLLM identifies it by its own content hash. A digest-shaped
+      ``given`` cannot be checked for it, and is refused.
 
     Args:
         mm_data: modality -> one item or a list of items (None for an item
@@ -280,14 +313,14 @@ def checked_multi_modal_uuids(
             with none), or None.
         unwrap: maps ``(modality, item)`` to what `content_identifier` takes
             (a front end's own wrappers around decoded media); identity if None.
+        rules: see `content_identifier`.
 
     Returns:
-        modality -> identifiers in the order of the items. An item that
-        cannot be digested here (a modality or a type `content_identifier`
-        does not take, such as precomputed embeddings) and has no uuid stays
-        None: vLLM identifies it with its own content hash.
+        modality -> identifiers in the order of the items: digests in hex,
+        or None where vLLM hashes the item itself.
 
     Raises:
+        DataLessItemError: an item without data.
         IdentifierMismatchError: a digest-shaped uuid that is not the item's
             digest, or that comes with an item that cannot be digested here.
         TypeError, ValueError: ``mm_uuids`` does not match the items.
@@ -303,21 +336,33 @@ def checked_multi_modal_uuids(
     uuids = _uuid_items(mm_uuids, {modality: len(values) for modality, values in items.items()})
     for modality, values in items.items():
         for index, item in enumerate(values):
+            if item is None:
+                given = uuids[modality][index]
+                raise DataLessItemError(
+                    f"multi_modal_data[{modality!r}][{index}]: expected the item's data, found "
+                    f"None (uuid {given!r}); an item referred to by its uuid alone is refused, "
+                    "since vLLM's processor and encoder caches would answer it with whatever "
+                    "any tenant sent under that uuid"
+                )
+    for modality, values in items.items():
+        for index, item in enumerate(values):
             given = uuids[modality][index]
             where = f"multi_modal_uuids[{modality!r}][{index}]"
-            if item is None or (given is not None and not HEX_DIGEST.fullmatch(given)):
-                continue
+            shaped = given is not None and HEX_DIGEST.fullmatch(given) is not None
             try:
                 media = item if unwrap is None else unwrap(modality, item)
-                digest = content_identifier(media, modality=modality, algorithm=algorithm)
+                digest = content_identifier(
+                    media, modality=modality, algorithm=algorithm, rules=rules
+                )
             except (TypeError, ValueError) as exc:
-                if given is None:
-                    continue  # not digestable here: vLLM identifies it itself
-                raise IdentifierMismatchError(
-                    f"{where}: expected a uuid that is not shaped as a digest for an item whose "
-                    f"digest cannot be checked ({exc}), found {given}"
-                ) from exc
-            if given is not None and given != digest:
+                if shaped:
+                    raise IdentifierMismatchError(
+                        f"{where}: expected a uuid that is not shaped as a digest for an item "
+                        f"whose digest cannot be checked ({exc}), found {given}"
+                    ) from exc
+                uuids[modality][index] = None  # not digestable here: vLLM hashes its content
+                continue
+            if shaped and given != digest:
                 raise IdentifierMismatchError(
                     f"{where}: expected the item's content digest {digest} or a uuid that is "
                     f"not shaped as a digest, found {given}"
