@@ -163,6 +163,11 @@ class OmniStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             raise ValueError(
                 f"{CONNECTOR_NAME}: expected prefix caching on with a tier (tier_url), found it off"
             )
+        if role == KVConnectorRole.SCHEDULER:
+            # NOTE: the scheduler's connector is built in the engine core's
+            # process (the caller's, in process), where a refusal reaches the
+            # caller as it is; a worker's would end its process first.
+            _check_parallel(vllm_config.parallel_config, tier=self._tier_config is not None)
         # Scheduler side: the tier's reader; per request, (first block, keys,
         # values) of its last lookup, and the external tokens of its first admission.
         self._index: TierReader | None = None
@@ -354,6 +359,30 @@ class OmniStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._index is not None:
             params[EXTERNAL_TOKENS_PARAM] = external
         return False, params or None
+
+
+def _check_parallel(parallel_config: Any, *, tier: bool) -> None:
+    """Refuses, at start, the parallel layouts whose rows or KV the store cannot serve exactly.
+
+    Final hidden states are replicated on every tensor-parallel rank, so each
+    rank's store holds the same rows and any rank's result is exact; but a
+    rank's KV cache is its own shard of the heads, and the tier keeps one
+    block's KV under one key whatever rank saved it. Under pipeline
+    parallelism only the last stage sees the final hidden states.
+    """
+    tensor = int(parallel_config.tensor_parallel_size)
+    if tier and tensor != 1:
+        raise ValueError(
+            f"{CONNECTOR_NAME}: expected tensor_parallel_size 1 with a tier (tier_url): each "
+            "rank's KV cache is its own shard of the heads, and the tier keeps a block's KV under "
+            f"a key that does not say which rank saved it; found tensor_parallel_size {tensor}"
+        )
+    pipeline = int(parallel_config.pipeline_parallel_size)
+    if pipeline != 1:
+        raise ValueError(
+            f"{CONNECTOR_NAME}: expected pipeline_parallel_size 1 (only the last stage has the "
+            f"model's final hidden states), found {pipeline}"
+        )
 
 
 def _asks(req_id: str, sampling_params: Any) -> bool:
