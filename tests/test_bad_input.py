@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -37,7 +37,7 @@ from omnicache.block_hash import BlockHash, BlockHasher, block_hash_hex, block_h
 from omnicache.block_pool import BlockPool, CacheBlock
 from omnicache.prefix_cache import PrefixCache
 from omnicache.preprocess import annotate_prompt
-from omnicache.store import ScheduledRequest, StoreCapacityError, TensorStore
+from omnicache.store import ScheduledRequest, StaleCommitError, StoreCapacityError, TensorStore
 
 BS = 4
 NUM_BLOCKS = 8
@@ -1213,6 +1213,36 @@ CASES: list[Case] = [
         "out: expected a buffer for entry 'h', found none",
     ),
     Case(
+        "merged-computed-past-hit",
+        lambda w: w.store.read_merged(
+            [
+                ScheduledRequest(
+                    "live", 1, 6, w.cache.block_ids("live")[:1], w.cache.block_hashes("live")[:1]
+                )
+            ],
+            multimodal_outputs={"h": rows(1)},
+        ),
+        ValueError,
+        "requests[0].num_computed_tokens: expected 4 (request 'live': 1 hit blocks of 4 tokens, "
+        "its new rows right after them), found 6",
+    ),
+    Case(
+        "merged-computed-zero-with-hit",
+        lambda w: w.store.read_merged(
+            [
+                ScheduledRequest("new", 2),
+                ScheduledRequest(
+                    "live", 0, 0, w.cache.block_ids("live")[:2], w.cache.block_hashes("live")
+                ),
+            ],
+            multimodal_outputs={"h": rows(2)},
+            strict=True,
+        ),
+        ValueError,
+        "requests[1].num_computed_tokens: expected 8 (request 'live': 2 hit blocks of 4 tokens, "
+        "its new rows right after them), found 0",
+    ),
+    Case(
         "merged-rows-short",
         lambda w: w.store.read_merged(
             [ScheduledRequest("live", 3)], multimodal_outputs={"h": rows(2)}
@@ -1311,6 +1341,24 @@ def test_bad_input_raises_exactly_and_changes_nothing(case: Case) -> None:
         case.call(world)
     assert type(info.value) is case.error
     assert snapshot(world) == before
+
+
+def test_a_refused_commit_changes_nothing_but_its_counter() -> None:
+    """A commit onto a block handed out since staging: refused, counted, nothing else."""
+    world = build_world()
+    live = world.cache.block_ids("live")
+    world.store.invalidate([live[2]])
+    before = snapshot(world)
+    with pytest.raises(StaleCommitError) as info:
+        world.store.commit("live", live, world.cache.block_hashes("live"))
+    assert type(info.value) is StaleCommitError
+    assert str(info.value) == (
+        f"commit of request 'live': entry 'codes', token 8: expected block {live[2]} "
+        "(block_ids[2]) held by the request since the row was staged, found it handed out "
+        "again since (evicted or invalidated)"
+    )
+    stats = replace(before.store.stats, num_refused_commits=1)
+    assert snapshot(world) == before._replace(store=before.store._replace(stats=stats))
 
 
 def test_no_room_is_a_value_and_changes_nothing() -> None:

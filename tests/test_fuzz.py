@@ -768,7 +768,11 @@ def check_store(rng: random.Random) -> int:
                 hit_keys = [model.stamps[name][b] or key_space[0] for b in hit]
                 requests.append(
                     ScheduledRequest(
-                        f"r{index}", rng.randint(0, 3), 0, hit, [BlockHash(k) for k in hit_keys]
+                        f"r{index}",
+                        rng.randint(0, 3),
+                        len(hit) * bs,
+                        hit,
+                        [BlockHash(k) for k in hit_keys],
                     )
                 )
             total = sum(r.num_new_tokens for r in requests)

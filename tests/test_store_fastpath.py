@@ -259,7 +259,12 @@ def random_requests(
             ids, keys = [*hit, rng.choice([num_blocks, -1])], [*keys, KEYS[1]]
         if rng.random() < 0.05:
             keys = [*keys, KEYS[1]]
-        requests.append(ScheduledRequest(f"r{i}", rng.randint(0, 3), 0, ids, keys))  # type: ignore[arg-type]
+        # The step's rows start right after the hit; sometimes elsewhere: refused
+        # with hit blocks, served without.
+        computed = len(hit) * fast.block_size
+        if rng.random() < 0.05:
+            computed += rng.choice([-1, 1]) if computed else 1
+        requests.append(ScheduledRequest(f"r{i}", rng.randint(0, 3), computed, ids, keys))  # type: ignore[arg-type]
     return requests
 
 

@@ -7,6 +7,7 @@ store fed from CUDA tensors and a pinned CPU store fed from CUDA tensors.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -57,6 +58,81 @@ def test_write_outputs_caches_per_token_outputs_and_skips_metadata(cfg: DeviceCo
     }
     assert torch.equal(cpu(store.read_blocks("codes", [1], [key(1)])), cpu(codes)[:4])
     assert torch.equal(cpu(store.read_blocks(HIDDEN_STATES, [1], [key(1)])), cpu(hs)[:4])
+    # None of the metadata looks per-token: nothing is unplaced.
+    assert store.stats.num_unplaced_outputs == 0
+
+
+def test_write_outputs_counts_and_logs_per_token_outputs_it_cannot_place(
+    cfg: DeviceConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 4 real tokens padded to 6: "unpadded" has the real rows only, "five"
+    # one padding row; neither is the padded rows of a per-token output, nor
+    # can it be told from per-request rows, so no entry is created.
+    store = make(cfg)
+    outputs: dict[str, object] = {
+        "unpadded": rows(cfg, 4, 2),
+        "five": rows(cfg, 5, 2, 2),
+        "ref_len": torch.arange(4),  # 1-D metadata: passed over silently
+        "summary": rows(cfg, 3, 3),  # fewer rows than tokens: silently too
+        "wide": rows(cfg, 7, 2),  # more rows than the padded step: silently too
+        "names": ["a", "b"],
+    }
+    with caplog.at_level(logging.WARNING, logger="omnicache.store"):
+        for _ in range(2):
+            results = store.write_outputs(
+                [4, 5, 6, 7, -1, -1],
+                hidden_states=rows(cfg, 6, 3),
+                multimodal_outputs=outputs,
+                num_tokens=4,
+                num_tokens_padded=6,
+                block_keys={1: key(1)},
+            )
+            assert list(results) == [HIDDEN_STATES]
+    assert list(store.entries) == [HIDDEN_STATES]
+    assert store.stats.num_unplaced_outputs == 4
+    # Logged once per name, however many steps.
+    assert [r.getMessage() for r in caplog.records] == [
+        "output 'unpadded': shape (4, 2) on a step of 4 rows padded to 6: not cached (it has "
+        "neither the padded rows of a per-token output nor an entry; register it to cache "
+        "its first 4 rows); logged once, counted in num_unplaced_outputs",
+        "output 'five': shape (5, 2, 2) on a step of 4 rows padded to 6: not cached (it has "
+        "neither the padded rows of a per-token output nor an entry; register it to cache "
+        "its first 4 rows); logged once, counted in num_unplaced_outputs",
+    ]
+    # Registered, the same output is cached from its first 4 rows.
+    store.register("unpadded", 2, torch.float32)
+    results = store.write_outputs(
+        [4, 5, 6, 7, -1, -1],
+        multimodal_outputs={"unpadded": outputs["unpadded"]},
+        num_tokens=4,
+        num_tokens_padded=6,
+        block_keys={1: key(1)},
+    )
+    assert results == {"unpadded": WriteResult("unpadded", 4, (1,), ())}
+    assert store.stats.num_unplaced_outputs == 4
+    # Without padding, the step's rows are its padded rows: cached, not unplaced.
+    store.write_outputs([8, 9], multimodal_outputs={"unpadded2": rows(cfg, 2, 2)})
+    assert "unpadded2" in store.entries
+    assert store.stats.num_unplaced_outputs == 4
+
+
+def test_write_step_counts_unplaced_outputs_only_when_it_writes(cfg: DeviceConfig) -> None:
+    store = step_store(cfg)
+    step = small_step(cfg)
+    outputs = {**step.multimodal_outputs, "unpadded": rows(cfg, 6, 2)}
+    with pytest.raises(ValueError, match=r"num_tokens_padded: expected int >= 6 or None, found 5"):
+        write_step(store, step, multimodal_outputs=outputs, num_tokens_padded=5)
+    with pytest.raises(ValueError, match=r"entry 'codes': expected dtype torch.int64"):
+        write_step(
+            store,
+            step,
+            multimodal_outputs={**outputs, "codes": rows(cfg, 8, 2)},
+            num_tokens_padded=8,
+        )
+    assert store.stats.num_unplaced_outputs == 0
+    write_step(store, step, multimodal_outputs=outputs, num_tokens_padded=8)
+    assert store.stats.num_unplaced_outputs == 1
+    assert "unpadded" not in store.entries
 
 
 def test_write_outputs_takes_strided_rows_of_whole_blocks(cfg: DeviceConfig) -> None:

@@ -164,3 +164,48 @@ def test_read_merged_rejects_bad_requests_without_counting(cfg: DeviceConfig) ->
     with pytest.raises(IndexError, match=r"block_ids\[0\]: expected 0..7, found 8"):
         store.read_merged([ScheduledRequest("a", 2, 4, [8], [key(8)])], hidden_states=hs)
     assert_same(before, snapshot(store))
+
+
+def test_read_merged_refuses_new_rows_that_do_not_follow_the_hit(cfg: DeviceConfig) -> None:
+    # Block 3 holds tokens 0..3; a request that says it computed 6 tokens
+    # would get its new rows at positions 4.. with 4..5 missing.
+    store = make(cfg)
+    store.write_outputs(block_slots([3], 4), hidden_states=rows(cfg, 4, 3), block_keys={3: key(3)})
+    before = snapshot(store)
+    hs = rows(cfg, 3, 3, seed=1)
+    for computed in (6, 0, 3, 8):
+        with pytest.raises(ValueError) as info:
+            store.read_merged(
+                [ScheduledRequest("x", 1), ScheduledRequest("a", 2, computed, [3], [key(3)])],
+                hidden_states=hs,
+            )
+        assert type(info.value) is ValueError
+        assert str(info.value) == (
+            "requests[1].num_computed_tokens: expected 4 (request 'a': 1 hit blocks of 4 "
+            f"tokens, its new rows right after them), found {computed}"
+        )
+    with pytest.raises(ValueError, match=r"expected 8 \(request 'a': 2 hit blocks of 4 tokens"):
+        store.read_merged(
+            [ScheduledRequest("a", 3, 4, [3, 3], [key(3), key(3)])], hidden_states=hs, strict=True
+        )
+    assert_same(before, snapshot(store))
+
+
+def test_read_merged_of_requests_without_hit_blocks_starts_anywhere(cfg: DeviceConfig) -> None:
+    # A later chunk of a prompt (tokens 8..10) and a decode step (token 37)
+    # have no hit blocks: they get their new rows, exactly, and nothing else.
+    store = make(cfg)
+    store.write_outputs(block_slots([3], 4), hidden_states=rows(cfg, 4, 3), block_keys={3: key(3)})
+    hs = rows(cfg, 4, 3, seed=2)
+    merged = store.read_merged(
+        [
+            ScheduledRequest("chunk", 3, 8),
+            ScheduledRequest("decode", 1, 37),
+        ],
+        hidden_states=hs,
+    )
+    assert merged.misses == ()
+    assert torch.equal(cpu(merged.hidden_states["chunk"]), cpu(hs)[:3])
+    assert torch.equal(cpu(merged.hidden_states["decode"]), cpu(hs)[3:])
+    stats = store.stats
+    assert (stats.num_read_requests, stats.num_hit_blocks_read, stats.num_stale_reads) == (2, 0, 0)

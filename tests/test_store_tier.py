@@ -25,6 +25,7 @@ from omnicache.store import (
     EntrySpec,
     ScheduledRequest,
     StaleBlockError,
+    StaleCommitError,
     StoreStats,
     TensorStore,
     TierBlock,
@@ -1080,3 +1081,31 @@ def test_a_tier_whose_put_raises_fails_each_entry_of_a_step_alone(
     assert (store.stats.num_tier_offered, store.stats.num_tier_errors) == (4, 2)
     assert stamps(store, [2, 5]) == {name: [key(2), key(5)] for name in NAMES}
     assert torch.equal(cpu(store.read_blocks(CODES, [2, 5], [key(2), key(5)])), cpu(cs))
+
+
+def test_read_through_hands_its_blocks_out_again(cfg: DeviceConfig) -> None:
+    """Rows staged for a block before `read_through` fills it are refused by commit."""
+    written = write_three_blocks(cfg)
+    reader = make(cfg, written.tier, num_blocks=6, deferred_codes=True)
+    reader.stage("old", CODES, codes(cfg, 2, seed=3), token_start=0)
+    reader.stage("kept", CODES, codes(cfg, 2, seed=4), token_start=0)
+    # Without a tier, or with no block, nothing is asked and nothing changes hands.
+    alone = make(cfg, num_blocks=6, deferred_codes=True)
+    alone.stage("old", CODES, codes(cfg, 2, seed=3), token_start=0)
+    assert alone.read_through(READER_BLOCKS, KEYS, names=[HIDDEN_STATES]) == 0
+    assert reader.read_through([], [], names=[HIDDEN_STATES]) == 0
+    assert list(alone.commit("old", READER_BLOCKS[:1], [])) == [CODES]
+
+    assert reader.read_through(READER_BLOCKS, KEYS, names=[HIDDEN_STATES]) == 3
+
+    with pytest.raises(StaleCommitError) as info:
+        reader.commit("old", READER_BLOCKS[:1], [])
+    assert (info.value.block_id, info.value.staged_block_id, info.value.owner) == (
+        READER_BLOCKS[0],
+        None,
+        None,
+    )
+    assert reader.stats.num_refused_commits == 1
+    # A block outside the filled ones keeps the rows staged for it.
+    other = next(b for b in range(6) if b not in READER_BLOCKS)
+    assert reader.commit("kept", [other], []) == {CODES: WriteResult(CODES, 2, (), ())}

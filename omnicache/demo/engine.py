@@ -195,7 +195,7 @@ class ServingEngine:
         stale = False
         if num_hit_blocks:
             read = store.read_merged(
-                [ScheduledRequest(rid, 0, 0, hit_ids, hit_keys)],
+                [ScheduledRequest(rid, 0, num_hit, hit_ids, hit_keys)],
                 multimodal_outputs={name: self._no_rows for name in self.kv_names},
             )
             if read.misses:

@@ -47,7 +47,17 @@ and written into their blocks once, when the request finishes and its block
 table is still known (`TensorStore.commit`), or dropped on abort
 (`TensorStore.discard`). `TensorStore.write_step` takes a whole step: it
 checks everything once, then writes the direct entries and stages the
-deferred ones, all or nothing.
+deferred ones, all or nothing. A commit whose rows would land in a block that
+changed hands since they were staged (handed out again, or written by another
+request's step), or in another block than `write_step` staged them for, is
+refused with `StaleCommitError` and counted, never written (see
+`omnicache.store.staging`).
+
+A merged read serves exactly or refuses: a request with hit blocks starts
+right after them (``num_computed_tokens == len(hit_block_ids) *
+block_size``, a ValueError otherwise). On a padded step, an output that looks
+per-token but has fewer rows than the step's padded rows is not cached, but
+counted (``StoreStats.num_unplaced_outputs``) and logged once per name.
 
 A second tier (`BlockTier`: another process's memory, Redis, ...) sits beside
 the store and knows blocks only by key. Every block a write stamps, and every
@@ -83,6 +93,7 @@ from omnicache.store.specs import (
     ReadMiss,
     ScheduledRequest,
     StaleBlockError,
+    StaleCommitError,
     StoreCapacityError,
     StoreStats,
     WriteResult,
@@ -98,6 +109,7 @@ __all__ = [
     "ReadMiss",
     "ScheduledRequest",
     "StaleBlockError",
+    "StaleCommitError",
     "StoreCapacityError",
     "StoreStats",
     "TensorStore",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -10,7 +11,10 @@ import torch
 from omnicache.block_hash import BlockHash
 from omnicache.checks import check_optional_int, type_name
 from omnicache.store.entries import Entry, Layout, check_rows, make_spec
-from omnicache.store.specs import HIDDEN_STATES, EntrySpec
+from omnicache.store.specs import HIDDEN_STATES, EntrySpec, StoreStats
+
+# NOTE: the package's logger, whichever module logs: the name users configure.
+_log = logging.getLogger("omnicache.store")
 
 
 class DirectWrites(NamedTuple):
@@ -22,6 +26,11 @@ class DirectWrites(NamedTuple):
     todo: list[tuple[EntrySpec, torch.Tensor]]
     # Checked keys of blocks the writes may complete.
     block_keys: Mapping[int, BlockHash]
+    # Outputs that look per-token but are not placed (see `direct_outputs`),
+    # with their shapes; and the step's rows, and rows padding included.
+    unplaced: list[tuple[str, tuple[int, ...]]]
+    num_rows: int
+    num_tokens_padded: int
 
 
 def merge_outputs(
@@ -56,7 +65,9 @@ def direct_outputs(
     outputs: Mapping[str, object],
     num_rows: int,
     num_tokens_padded: int,
-) -> tuple[list[EntrySpec], list[tuple[EntrySpec, torch.Tensor]]]:
+) -> tuple[
+    list[EntrySpec], list[tuple[EntrySpec, torch.Tensor]], list[tuple[str, tuple[int, ...]]]
+]:
     """The outputs a step writes directly, checked, and the entries they create.
 
     An output is per-token, and cached, when it is a registered entry or a
@@ -64,12 +75,20 @@ def direct_outputs(
     a tensor of an unknown name creates its entry. Deferred entries and
     everything else (1-D per-request metadata, lists, ...) are left out.
 
+    Of those left out, a tensor of 2 or more dims with at least ``num_rows``
+    but fewer than ``num_tokens_padded`` rows is unplaced: it looks
+    per-token, but on a padded step its first dim may as well count requests
+    (a decode step has one token per request), so no entry is created from
+    it.
+
     Returns:
-        The specs of the entries to create, and (spec, rows) of each output
-        to write, at least ``num_rows`` rows each.
+        The specs of the entries to create, (spec, rows) of each output to
+        write, at least ``num_rows`` rows each, and the name and shape of
+        each unplaced output.
     """
     new_specs: list[EntrySpec] = []
     todo: list[tuple[EntrySpec, torch.Tensor]] = []
+    unplaced: list[tuple[str, tuple[int, ...]]] = []
     for name, value in outputs.items():
         existing = entries.get(name)
         if existing is not None:
@@ -91,9 +110,34 @@ def direct_outputs(
             spec = make_spec(layout, name, tuple(value.shape[1:]), value.dtype, False)
             new_specs.append(spec)
             todo.append((spec, value))
+        elif (
+            isinstance(value, torch.Tensor)
+            and value.ndim >= 2
+            and num_rows <= value.shape[0] < num_tokens_padded
+        ):
+            unplaced.append((name, tuple(value.shape)))
     for spec, value in todo:
         check_rows(spec, value, num_rows)
-    return new_specs, todo
+    return new_specs, todo, unplaced
+
+
+def report_unplaced(direct: DirectWrites, stats: StoreStats, logged: set[str]) -> None:
+    """Counts a checked step's unplaced outputs; logs each name the first time only."""
+    for name, shape in direct.unplaced:
+        stats.num_unplaced_outputs += 1
+        if name in logged:
+            continue
+        logged.add(name)
+        _log.warning(
+            "output %r: shape %s on a step of %d rows padded to %d: not cached (it has "
+            "neither the padded rows of a per-token output nor an entry; register it to "
+            "cache its first %d rows); logged once, counted in num_unplaced_outputs",
+            name,
+            shape,
+            direct.num_rows,
+            direct.num_tokens_padded,
+            direct.num_rows,
+        )
 
 
 def deferred_outputs(

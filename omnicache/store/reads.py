@@ -34,6 +34,7 @@ from omnicache.store.specs import (
     StaleBlockError,
     StoreStats,
 )
+from omnicache.store.staging import Staging
 from omnicache.store.tier import BlockTier, TierBridge
 
 
@@ -128,11 +129,21 @@ class Reader:
     ) -> MergedRead:
         """`TensorStore.read_merged` of a step's outputs in one mapping."""
         layout = self._layout
+        bs = layout.block_size
         spans = request_spans(requests)
         total_new = spans[-1][1] if spans else 0
-        hit_ids = [
-            hit_block_list(r.hit_block_ids, r.hit_block_keys, layout.num_blocks) for r in requests
-        ]
+        hit_ids: list[list[int]] = []
+        for index, request in enumerate(requests):
+            ids = hit_block_list(request.hit_block_ids, request.hit_block_keys, layout.num_blocks)
+            # NOTE: the step's rows follow the hit's rows: a request whose new
+            # rows start elsewhere would get rows at the wrong positions.
+            if ids and request.num_computed_tokens != len(ids) * bs:
+                raise ValueError(
+                    f"requests[{index}].num_computed_tokens: expected {len(ids) * bs} "
+                    f"(request {request.req_id!r}: {len(ids)} hit blocks of {bs} tokens, "
+                    f"its new rows right after them), found {request.num_computed_tokens}"
+                )
+            hit_ids.append(ids)
         read: list[tuple[Entry, torch.Tensor]] = []
         passthrough: dict[str, object] = {}
         for name, value in outputs.items():
@@ -307,6 +318,7 @@ class ReadMethods:
     _entries: dict[str, Entry]
     _reader: Reader
     _bridge: TierBridge
+    _staging: Staging
 
     def probe(
         self,
@@ -365,8 +377,9 @@ class ReadMethods:
         follow the local hit: the tier's leading run of blocks held whole
         (every entry of ``names``) is copied in and stamped, as if computed
         here. When the tier is asked, every given block loses its previous
-        stamps and fill counts for every entry, filled or not; without a tier,
-        or with no entry to fill, nothing changes.
+        stamps and fill counts for every entry, filled or not, and counts as
+        handed out again (`commit` refuses rows staged for it before); without
+        a tier, or with no entry to fill, nothing changes.
 
         Args:
             block_ids: Distinct blocks, one per key, first block first.
@@ -385,6 +398,7 @@ class ReadMethods:
         tier = self.tier
         if tier is None or not len(ids) or not entries:
             return 0
+        self._staging.handed_out(ids)
         return self._bridge.read_through(tier, entries, self._entries.values(), ids, block_keys)
 
     def new_read_buffers(
@@ -422,8 +436,9 @@ class ReadMethods:
 
         Args:
             requests: The step's requests in batch order (see
-                `ScheduledRequest`); a request without hit blocks gets its
-                new rows only.
+                `ScheduledRequest`); a request with hit blocks starts right
+                after them (``num_computed_tokens == len(hit_block_ids) *
+                block_size``), a request without gets its new rows only.
             hidden_states: This step's hidden states, requests' rows in order.
             multimodal_outputs: This step's multimodal outputs by name.
             out: Buffers by entry name, each ``(>= total rows, *row_shape)``
@@ -433,6 +448,12 @@ class ReadMethods:
 
         Returns:
             The merged rows, passthrough outputs and misses.
+
+        Raises:
+            ValueError, IndexError, TypeError: Bad input (a request with hit
+                blocks whose ``num_computed_tokens`` is not their tokens is a
+                ValueError); nothing is counted.
+            StaleBlockError: With ``strict``, a stale block (counted).
         """
         outputs = step_outputs.merge_outputs(hidden_states, multimodal_outputs)
         return self._reader.read_merged(self._entries, requests, outputs, out, strict)

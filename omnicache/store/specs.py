@@ -48,6 +48,63 @@ class StaleBlockError(LookupError):
         self.req_id = req_id
 
 
+class StaleCommitError(ValueError):
+    """A commit would write a request's staged rows into a block they were not staged for.
+
+    Nothing is written and the rows stay staged (`TensorStore.discard` drops
+    them); the refusal is counted in ``StoreStats.num_refused_commits``.
+
+    Attributes:
+        req_id: The request committed.
+        name: The entry of the refused row.
+        token: Position of the first refused row in the request.
+        block_index: Its block's index in the commit's ``block_ids``.
+        block_id: The block ``block_ids`` names there.
+        staged_block_id: The block the row was staged for (None: not known,
+            the row was staged without slots); when it differs from
+            ``block_id``, that difference is the refusal.
+        owner: Otherwise ``block_id`` changed hands since the row was
+            staged: the request whose step wrote into it since, or None
+            when the store was told the block was handed out again.
+    """
+
+    def __init__(
+        self,
+        req_id: str,
+        name: str,
+        token: int,
+        block_index: int,
+        block_id: int,
+        staged_block_id: int | None,
+        owner: str | None,
+    ) -> None:
+        where = f"commit of request {req_id!r}: entry {name!r}, token {token}"
+        table = f"block {block_id} (block_ids[{block_index}])"
+        if staged_block_id is not None and staged_block_id != block_id:
+            message = (
+                f"{where}: expected block {staged_block_id} (the block it was staged for), "
+                f"found {table}"
+            )
+        else:
+            found = (
+                "handed out again since (evicted or invalidated)"
+                if owner is None
+                else f"in request {owner!r}'s table since"
+            )
+            message = (
+                f"{where}: expected {table} held by the request since the row was staged, "
+                f"found it {found}"
+            )
+        super().__init__(message)
+        self.req_id = req_id
+        self.name = name
+        self.token = token
+        self.block_index = block_index
+        self.block_id = block_id
+        self.staged_block_id = staged_block_id
+        self.owner = owner
+
+
 class StoreCapacityError(ValueError):
     """Registering an entry would exceed the store's ``max_bytes``."""
 
@@ -73,7 +130,11 @@ class ScheduledRequest(NamedTuple):
     """One request's part of a step, in batch order.
 
     The step's outputs hold ``num_new_tokens`` consecutive rows for each
-    request, requests in the order given.
+    request, requests in the order given. A request with hit blocks is the
+    step that starts right after its hit: its ``num_computed_tokens`` must be
+    ``len(hit_block_ids) * block_size`` (`TensorStore.read_merged` refuses
+    it otherwise). Without hit blocks it may start anywhere (a later chunk
+    of a prompt, a decode step).
     """
 
     req_id: str
@@ -164,3 +225,10 @@ class StoreStats:
     # wrong shape, dtype, layout or device, or requiring grad): a broken tier
     # is counted, logged and treated as a miss.
     num_tier_errors: int = 0
+    # Commits refused because a block changed hands since its rows were
+    # staged, or is not the block they were staged for (`StaleCommitError`).
+    num_refused_commits: int = 0
+    # Outputs of a padded step that looked per-token (a tensor of 2 or more
+    # dims with at least the step's rows, fewer than its padded rows) but
+    # were no entry: neither cached nor created one. Logged once per name.
+    num_unplaced_outputs: int = 0

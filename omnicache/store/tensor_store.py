@@ -110,6 +110,8 @@ class TensorStore(DeferredMethods, ReadMethods):
         self._writer = Writer(layout, self._stats, bridge)
         self._reader = Reader(layout, self._stats)
         self._staging = Staging(layout, self._stats)
+        # Names of outputs whose unplaced rows were logged (once per name).
+        self._logged_unplaced: set[str] = set()
         if hidden_size is not None and hidden_dtype is not None:
             self.register(HIDDEN_STATES, hidden_size, hidden_dtype)
 
@@ -229,22 +231,36 @@ class TensorStore(DeferredMethods, ReadMethods):
         """Eviction listener: block ``block_id`` lost ``key`` and gets a new owner.
 
         Its stamps and fill counts are cleared for every entry, whatever key
-        they held: the next owner's rows start a new run.
+        they held: the next owner's rows start a new run. Rows staged for it
+        before are refused by `commit` (the block changed hands).
         """
         check_block_id("block_id", block_id, self.num_blocks)
         for entry in self._entries.values():
             if entry.stamps[block_id] is not None:
                 self._stats.num_evicted_stamps += 1
         clear_blocks(self._entries.values(), block_id)
+        self._staging.handed_out(block_id)
 
     def invalidate(self, block_ids: Iterable[int]) -> None:
-        """Clears stamps and fill counts of ``block_ids`` for every entry."""
+        """Clears stamps and fill counts of ``block_ids`` for every entry.
+
+        The blocks count as handed out again: rows staged for them before
+        are refused by `commit`.
+        """
         ids = block_id_array("block_ids", list(block_ids), self.num_blocks, distinct=False)
         clear_blocks(self._entries.values(), ids)
+        self._staging.handed_out(ids)
 
     def invalidate_all(self) -> None:
-        """Clears every stamp and fill count (staged rows stay)."""
+        """Clears every stamp and fill count.
+
+        Staged rows stay, but every block counts as handed out again: once
+        the keys are gone, a block's next owner comes without an eviction
+        call, so `commit` refuses every row staged before (`discard` drops
+        them).
+        """
         clear_blocks(self._entries.values(), slice(None))
+        self._staging.handed_out_all()
 
     # -- writes -------------------------------------------------------------
 
@@ -328,8 +344,13 @@ class TensorStore(DeferredMethods, ReadMethods):
         entry or a tensor with 2 or more dims whose first dim is
         ``num_tokens_padded``; such a tensor of an unknown name creates its
         entry. Everything else (1-D per-request metadata, lists, ...) is not
-        cached. Deferred entries are skipped here (see `stage_outputs`, and
-        `write_step`, which does both at once).
+        cached; of those, a tensor of 2 or more dims with at least
+        ``num_tokens`` but fewer than ``num_tokens_padded`` rows looks
+        per-token but cannot be told from per-request rows (a decode step has
+        one token per request), so it is counted in ``num_unplaced_outputs``
+        and logged once per name (register it to cache it). Deferred entries
+        are skipped here (see `stage_outputs`, and `write_step`, which does
+        both at once).
 
         Args:
             slot_mapping: Slot per scheduled token (see `write`).
@@ -370,7 +391,9 @@ class TensorStore(DeferredMethods, ReadMethods):
         ``slot_mapping``), deferred entries staged per request as by
         `stage_outputs`. Every check (requests, slots, keys, every output's
         rows, room for new entries) runs before anything is created, written
-        or staged.
+        or staged. With deferred entries registered, the slots also tell the
+        store whose table each block is in and which block each staged row
+        is for, which `commit` checks.
 
         Args:
             requests: The step's requests in batch order; their
@@ -405,7 +428,10 @@ class TensorStore(DeferredMethods, ReadMethods):
         deferred = step_outputs.deferred_outputs(self._entries, outputs, num_rows)
         # Every check passed: nothing below can fail.
         results = self._write_direct(direct, segs)
-        self._staging.stage_step(deferred, requests, spans)
+        # NOTE: whose blocks these are matters only to deferred rows; a store
+        # without deferred entries spares every step the bookkeeping.
+        tracked = any(entry.spec.deferred for entry in self._entries.values())
+        self._staging.stage_step(deferred, requests, spans, segs.slots if tracked else None)
         return results
 
     def synchronize(self) -> None:
@@ -426,17 +452,18 @@ class TensorStore(DeferredMethods, ReadMethods):
         """A step's outputs in one mapping, and its direct writes of ``num_rows`` rows, checked."""
         padded = step_outputs.padded_rows(num_tokens_padded, num_rows)
         outputs = step_outputs.merge_outputs(hidden_states, multimodal_outputs)
-        new_specs, todo = step_outputs.direct_outputs(
+        new_specs, todo, unplaced = step_outputs.direct_outputs(
             self._layout, self._entries, outputs, num_rows, padded
         )
         keys = check_block_keys(block_keys, self.num_blocks)
         check_capacity(self._entries, new_specs, self.max_bytes)
-        return outputs, step_outputs.DirectWrites(new_specs, todo, keys)
+        return outputs, step_outputs.DirectWrites(new_specs, todo, keys, unplaced, num_rows, padded)
 
     def _write_direct(
         self, direct: step_outputs.DirectWrites, segs: slot_cuts.Segments | slot_cuts.SmallSegments
     ) -> dict[str, WriteResult]:
-        """Creates the new entries, then writes each entry's rows."""
+        """Creates the new entries, writes each entry's rows, and reports unplaced outputs."""
+        step_outputs.report_unplaced(direct, self._stats, self._logged_unplaced)
         for spec in direct.new_specs:
             self._entries[spec.name] = new_entry(self._layout, spec)
         return {
