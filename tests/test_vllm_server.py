@@ -29,7 +29,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from PIL import Image
@@ -66,8 +66,12 @@ def data_url(seed: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def chat_body(url: str, uuid: str | None = None) -> dict[str, Any]:
-    image: dict[str, Any] = {"type": "image_url", "image_url": {"url": url}}
+def chat_body(url: str | None, uuid: str | None = None) -> dict[str, Any]:
+    """A chat request with one image (``url`` None: a reference to ``uuid`` without data)."""
+    image: dict[str, Any] = {
+        "type": "image_url",
+        "image_url": None if url is None else {"url": url},
+    }
     if uuid is not None:
         image["uuid"] = uuid
     return {
@@ -177,20 +181,47 @@ class Server:
         self.events.close()
 
 
-# (name, image seed or a bad URL, uuid or None): the scripted sequence, in order.
-A, B = 1, 2
+class Step(NamedTuple):
+    """One request of the scripted sequence."""
+
+    name: str
+    # A picture's seed, a bad URL, or None: a reference by uuid without data.
+    image: int | str | None
+    uuid: str | None = None
+    cache_salt: str | None = None
+    xargs: dict[str, Any] | None = None
+    n: int = 1
+
+
+A, B, X, Y = 1, 2, 21, 22
 GARBAGE_URL = "data:image/png;base64," + base64.b64encode(b"not an image at all").decode()
-SEQUENCE: list[tuple[str, int | str, str | None]] = [
-    ("a", A, None),
-    ("a again", A, None),
-    ("b", B, None),
-    ("b again", B, None),
-    ("malformed", GARBAGE_URL, None),
-    ("b named as a", B, hash_image(picture(A)).hex()),
-    ("a after", A, None),
-    ("b after", B, None),
-    ("b as client-b", B, "client-b"),
-    ("b as client-b again", B, "client-b"),
+ASK = "omnicache_prompt_hidden_states"
+SEQUENCE: list[Step] = [
+    Step("a", A),
+    Step("a again", A),
+    Step("b", B),
+    Step("b again", B),
+    Step("malformed", GARBAGE_URL),
+    Step("b named as a", B, hash_image(picture(A)).hex()),
+    Step("a after", A),
+    Step("b after", B),
+    # A client's own name for a picture is not the engine's identifier.
+    Step("b as client-b", B, "client-b"),
+    Step("b as client-b again", B, "client-b"),
+    # Tenant B reuses the name tenant A gave its picture, for another picture.
+    Step("x as shared-name, tenant a", X, "shared-name", "a"),
+    Step("y as shared-name, tenant b", Y, "shared-name", "b"),
+    Step("shared-name without data, tenant b", None, "shared-name", "b"),
+    Step("y, tenant b", Y, None, "b"),
+    Step("x, tenant b", X, None, "b"),
+    # omnicache's request fields with values it cannot serve; the server
+    # keeps no hidden states (no worker and connector).
+    Step("hidden states 'yes'", A, xargs={ASK: "yes"}),
+    Step("hidden states 2", A, xargs={ASK: 2}),
+    Step("hidden states -1", A, xargs={ASK: -1}),
+    Step("hidden states, n=2", A, xargs={ASK: 1}, n=2),
+    Step("hidden states of a server without the store", A, xargs={ASK: 1}),
+    Step("an unknown omnicache field", A, xargs={"omnicache_prompt_hidden_state": 1}),
 ]
 
 
@@ -218,22 +249,29 @@ def served(server: Server, vl_model: Path) -> dict[str, Any]:
     """SEQUENCE through the server, once: each request's outcome and counter moves."""
     results: dict[str, Any] = {"model": vl_model}
     first_event = len(server.events.stored)  # events of this sequence only
-    for name, image, uuid in SEQUENCE:
-        url = data_url(image) if isinstance(image, int) else image
+    for step in SEQUENCE:
+        url = data_url(step.image) if isinstance(step.image, int) else step.image
+        body = chat_body(url, step.uuid)
+        if step.cache_salt is not None:
+            body["cache_salt"] = step.cache_salt
+        if step.xargs is not None:
+            body["vllm_xargs"] = step.xargs
+        if step.n != 1:
+            body.update(n=step.n, temperature=1.0)
         before = server.counters()
-        status, body = server.chat(chat_body(url, uuid))
+        status, answer = server.chat(body)
         after = server.counters()
-        results[name] = {
+        results[step.name] = {
             "status": status,
-            "body": body,
+            "body": answer,
             "queries": after[0] - before[0],
             "hits": after[1] - before[1],
         }
     stored = {
         block_hash_low64(key)
-        for name, seed, uuid in SEQUENCE
-        if results[name]["status"] == 200
-        for key in prompt_keys(vl_model, results[name]["body"], seed, uuid)
+        for step in SEQUENCE
+        if results[step.name]["status"] == 200
+        for key in prompt_keys(vl_model, results[step.name]["body"], step)
     }
     server.events.wait_for(stored, timeout=10.0)
     results["events"] = set(server.events.stored[first_event:])
@@ -280,23 +318,22 @@ def image_offset(ids: list[int], model: Path) -> int:
     return offset
 
 
-def prompt_keys(model: Path, body: dict[str, Any], seed: int | str, uuid: str | None) -> list[Any]:
-    """omnicache's keys of the full blocks a completed request computed."""
-    assert isinstance(seed, int)
-    if uuid is None:
-        digest = hash_image(picture(seed))
-    else:
-        digest = hash_identifier(uuid, namespace=f"{UUID_NAMESPACE}/image")
-    return digest_keys(model, body, digest)
+def prompt_keys(model: Path, body: dict[str, Any], step: Step) -> list[Any]:
+    """omnicache's keys of the full blocks a completed request computed: over its picture's
+    content, whatever uuid came with it."""
+    assert isinstance(step.image, int)
+    return digest_keys(model, body, hash_image(picture(step.image)), step.cache_salt)
 
 
-def digest_keys(model: Path, body: dict[str, Any], digest: ContentHash) -> list[Any]:
+def digest_keys(
+    model: Path, body: dict[str, Any], digest: ContentHash, cache_salt: str | None = None
+) -> list[Any]:
     """omnicache's keys of a completed request's full blocks, its image identified by ``digest``."""
     ids = list(body["prompt_token_ids"])
     computed = ids + list(body["choices"][0]["token_ids"][:-1])
     offset = image_offset(ids, model)
     annotation = TokenRangeAnnotation(offset, IMAGE_TOKENS, digest, 0, IMAGE_TOKENS)
-    return full_block_keys(model, computed, [annotation])
+    return full_block_keys(model, computed, [annotation], cache_salt)
 
 
 def test_server_prompt_is_the_expected_tokens(served: dict[str, Any]) -> None:
@@ -318,7 +355,8 @@ def test_base64_images_move_the_prefix_cache_counters_exactly(served: dict[str, 
         "b again": full,
         "a after": full,
         "b after": full,
-        "b as client-b": before_image,
+        # Named by the client, identified by its content: B's blocks.
+        "b as client-b": full,
         "b as client-b again": full,
     }
     found = {name: served[name]["hits"] for name in expected}
@@ -364,13 +402,88 @@ def test_uuid_naming_another_images_digest_is_refused(served: dict[str, Any]) ->
 def test_server_blocks_are_keyed_by_omnicache_digests(served: dict[str, Any]) -> None:
     expected = {
         block_hash_low64(key)
-        for name, seed, uuid in SEQUENCE
-        if served[name]["status"] == 200
-        for key in prompt_keys(served["model"], served[name]["body"], seed, uuid)
+        for step in SEQUENCE
+        if served[step.name]["status"] == 200
+        for key in prompt_keys(served["model"], served[step.name]["body"], step)
     }
     # Keyed over the image's digest (computed by the server's front end from
-    # the decoded PNG), or over a client's own uuid hashed apart from digests.
+    # the decoded PNG), whatever uuid the client sent, under its tenant's salt.
     assert served["events"] == expected
+    # No block was keyed by a client's uuid.
+    body = served["b as client-b"]["body"]
+    by_uuid = digest_keys(
+        served["model"], body, hash_identifier("client-b", namespace=f"{UUID_NAMESPACE}/image")
+    )
+    assert (
+        not {block_hash_low64(key) for key in by_uuid}
+        - {
+            block_hash_low64(key)
+            for key in digest_keys(served["model"], body, hash_image(picture(B)))
+        }
+        & served["events"]
+    )
+
+
+def test_a_tenant_reusing_another_tenants_uuid_is_answered_from_its_own_picture(
+    served: dict[str, Any],
+) -> None:
+    ids = prompt_token_ids(served["model"])
+    full = (len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    before_image = image_offset(ids, served["model"]) // BLOCK_SIZE * BLOCK_SIZE
+    names = [
+        "x as shared-name, tenant a",
+        "y as shared-name, tenant b",
+        "y, tenant b",
+        "x, tenant b",
+    ]
+    assert {name: served[name]["status"] for name in names} == dict.fromkeys(names, 200)
+    # B's picture under A's name computed B's own blocks (keyed by its content,
+    # test above): the same picture from B without a name hits all of them,
+    # and A's picture from B only the text before it.
+    assert [served[name]["hits"] for name in names] == [0, 0, full, before_image]
+
+    def tokens(name: str) -> list[int]:
+        return list(served[name]["body"]["choices"][0]["token_ids"])
+
+    assert tokens("y as shared-name, tenant b") == tokens("y, tenant b")
+    assert tokens("x as shared-name, tenant a") == tokens("x, tenant b")
+
+
+def test_a_reference_to_a_uuid_without_data_is_refused(served: dict[str, Any]) -> None:
+    result = served["shared-name without data, tenant b"]
+    assert result["status"] == 400
+    assert (result["queries"], result["hits"]) == (0, 0)
+    assert (
+        "multi_modal_data['image'][0]: expected the item's data, found None (uuid "
+        "'shared-name'); an item referred to by its uuid alone is refused"
+    ) in result["body"]["error"]["message"]
+
+
+def test_bad_omnicache_fields_get_a_400_naming_the_field_and_the_values(
+    served: dict[str, Any],
+) -> None:
+    field = "extra_args['omnicache_prompt_hidden_states']"
+    expected = {
+        "hidden states 'yes'": f"{field}: expected True or False (or 1 or 0), found 'yes'",
+        "hidden states 2": f"{field}: expected True or False (or 1 or 0), found 2",
+        "hidden states -1": f"{field}: expected True or False (or 1 or 0), found -1",
+        "hidden states, n=2": (
+            f"{field}: expected n=1 (one prompt, one result: ask the other choices in a second "
+            "request, which hits the prefix cache), found n=2"
+        ),
+        "hidden states of a server without the store": (
+            f"{field}: expected an engine that keeps hidden states (kv_transfer_config naming "
+            "'OmniStoreConnector'), found kv_connector None"
+        ),
+        "an unknown omnicache field": (
+            "extra_args: expected omnicache fields among ('omnicache_prompt_hidden_states',), "
+            "found 'omnicache_prompt_hidden_state'"
+        ),
+    }
+    for name, message in expected.items():
+        result = served[name]
+        assert (result["status"], result["queries"], result["hits"]) == (400, 0, 0), name
+        assert message in result["body"]["error"]["message"], name
 
 
 # -- files: the digest `omnicache hash FILE` prints is the server's ----------------------

@@ -35,6 +35,7 @@ ignores it instead).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
@@ -111,16 +112,34 @@ def install_request_checks() -> None:
         )
         return
 
+    error = _request_field_error()
+
     def _validate_params(self: Any, params: Any, supported_tasks: Any) -> Any:
         result = original(self, params, supported_tasks)
         transfer = self.vllm_config.kv_transfer_config
         connector = None if transfer is None else transfer.kv_connector
-        check_request_fields(params, kv_connector=connector)
+        try:
+            check_request_fields(params, kv_connector=connector)
+        except ValueError as exc:
+            raise error(str(exc)) from None
         return result
 
     setattr(_validate_params, _MARK, True)
     _validate_params.__wrapped__ = original  # type: ignore[attr-defined]
     InputProcessor._validate_params = _validate_params
+
+
+@functools.cache
+def _request_field_error() -> type[ValueError]:
+    """`RequestFieldError`, made once vLLM is imported (this module imports none at load)."""
+    from vllm.exceptions import VLLMValidationError
+
+    class RequestFieldError(VLLMValidationError, ValueError):  # type: ignore[misc]
+        """A request field omnicache cannot serve: a ValueError to ``LLM``'s caller, and to
+        the server one of vLLM's validation errors, which it answers with HTTP 400 (a plain
+        ValueError raised where vLLM admits a request is answered with 500)."""
+
+    return RequestFieldError
 
 
 def _decoded(modality: str, item: object) -> object:
