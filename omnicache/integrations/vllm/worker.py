@@ -32,8 +32,10 @@ default 256) untaken results are kept; the oldest goes first.
 
 Supported: vLLM 0.32's CPU worker with its V1 model runner (the default on
 CPU; vLLM's V2 model runner orders its batch elsewhere and is refused), one
-full-attention KV cache group, no speculative decoding, one worker (tensor
-parallel ranks would each keep a copy).
+full-attention KV cache group, no speculative decoding. Tensor-parallel
+ranks each keep a full copy of the store (the final hidden states are
+replicated on every rank), and results are taken from the first; with a
+tier, and under pipeline parallelism, the connector refuses to start.
 """
 
 from __future__ import annotations
