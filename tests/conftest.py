@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 import pytest
 from helpers import DEVICE_CONFIGS, DeviceConfig
@@ -53,22 +53,21 @@ def _live_engine_gate(request: pytest.FixtureRequest) -> None:
     pytest.skip(missing)
 
 
-def _no_redis(reason: str) -> NoReturn:
-    """Skips a test that needs a Redis server, or under CI=true fails it."""
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI=true requires a Redis server: {reason}", pytrace=False)
-    pytest.skip(reason)
+# The Redis fixtures: a server that cannot be found or started goes through
+# redis_server.no_server (fails under CI=true, else skips, with the reason).
+# NOTE: redis_server is imported inside them, so that modules without Redis
+# tests run in an environment without redis-py (the tier modules then fail to
+# import).
 
 
 @pytest.fixture(scope="session")
 def redis_server_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    # NOTE: imported here, so that modules without Redis tests run in an
-    # environment without redis-py (the tier modules then fail to import).
-    from redis_server import find_server
+    """The server of the whole run: ``OMNICACHE_REDIS_URL``'s, else one started for it."""
+    from redis_server import find_server, no_server
 
     found = find_server(tmp_path_factory.mktemp("redis"))
     if isinstance(found, str):
-        _no_redis(found)
+        no_server(found)
     yield found
     found.shut_for_good()
 
@@ -76,12 +75,12 @@ def redis_server_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[R
 @pytest.fixture(scope="session")
 def redis_binary() -> str:
     """The server binary of tests that start servers of their own (tests/redis_server.py)."""
-    from redis_server import server_binary
+    from redis_server import no_server, server_binary
 
     try:
         return server_binary()
     except RuntimeError as exc:
-        _no_redis(str(exc))
+        no_server(str(exc))
 
 
 @pytest.fixture

@@ -10,9 +10,13 @@ Which server, in this order:
   dependency) ships. Never one found on PATH: what runs every day is what a
   fresh machine runs.
 
-Tests that start servers of their own (eviction, a full server, Redis Cluster)
-take the binary from the same lookup. Under ``CI=true`` a server that cannot be
-reached or started fails the run: these tests never skip there.
+Tests that start servers of their own (eviction, a full server, Redis Cluster,
+the script's own test) take the binary from the same lookup.
+
+One rule, ``no_server``, for a server that cannot be found, reached or started,
+in every fixture that provides one (tests/conftest.py's, and the private server,
+cluster and script fixtures of tests/test_redis_tier.py): under ``CI=true`` the
+test fails with the reason, otherwise it skips with it.
 
 ``python tests/redis_server.py`` prints the binary (``scripts/redis-test-server.sh``
 asks it when ``OMNICACHE_REDIS_SERVER`` is unset).
@@ -28,6 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import redis
 
@@ -35,6 +40,24 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "redis-test-server.sh"
 SERVER_VARIABLE = "OMNICACHE_REDIS_SERVER"
 INSTALL_HINT = "install the test extras (pip install -e '.[test]'; ./dev does)"
+
+
+class ServerStartError(RuntimeError):
+    """A server binary that was found but did not start and answer (the message says why)."""
+
+
+def no_server(reason: str) -> NoReturn:
+    """The rule for a test whose server cannot be had: fails it under ``CI=true``, else skips it.
+
+    ``reason`` says what was missing or what failed; both outcomes carry it.
+    """
+    # NOTE: imported here, so that printing the binary (what the script asks
+    # this module for) does not load pytest.
+    import pytest
+
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true requires a Redis server: {reason}", pytrace=False)
+    pytest.skip(reason)
 
 
 def _executable(path: str) -> bool:
@@ -92,7 +115,11 @@ class RedisServer:
 
     @classmethod
     def start_private(cls, folder: Path, executable: str) -> RedisServer:
-        """Starts a new server from ``executable``; its config, pid and log live in ``folder``."""
+        """Starts a new server from ``executable``; its config, pid and log live in ``folder``.
+
+        Raises:
+            ServerStartError: with the script's reason.
+        """
         result = subprocess.run(
             [str(SCRIPT), "start", str(folder)],
             capture_output=True,
@@ -101,7 +128,7 @@ class RedisServer:
             env={**os.environ, SERVER_VARIABLE: executable},
         )
         if result.returncode != 0:
-            raise RuntimeError(f"redis-test-server.sh start failed: {result.stderr.strip()}")
+            raise ServerStartError(f"redis-test-server.sh start failed: {result.stderr.strip()}")
         return cls(result.stdout.strip(), str(folder / "redis.conf"), folder, executable)
 
     @classmethod
@@ -147,12 +174,23 @@ class RedisServer:
             time.sleep(0.02)
 
     def start(self) -> None:
-        """Starts the server again from its config file, and waits until it answers."""
-        subprocess.run([self.executable, self.config_file], check=True, capture_output=True)
+        """Starts the server (again) from its config file, and waits until it answers.
+
+        Raises:
+            ServerStartError: the binary failed, or the server did not answer in 10 s.
+        """
+        result = subprocess.run(
+            [self.executable, self.config_file], capture_output=True, text=True, check=False
+        )
+        if result.returncode != 0:
+            output = (result.stdout + result.stderr).strip()
+            raise ServerStartError(
+                f"{self.executable} {self.config_file} exited with {result.returncode}: {output}"
+            )
         deadline = time.monotonic() + 10
         while not self.is_up():
             if time.monotonic() > deadline:
-                raise RuntimeError(f"redis at {self.url} did not start from {self.config_file}")
+                raise ServerStartError(f"redis at {self.url} did not start from {self.config_file}")
             time.sleep(0.02)
 
     def shut_for_good(self) -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -22,7 +24,14 @@ import pytest
 import redis
 import torch
 from helpers import key
-from redis_server import RedisServer, start_cluster
+from redis_server import (
+    SCRIPT,
+    SERVER_VARIABLE,
+    RedisServer,
+    ServerStartError,
+    no_server,
+    start_cluster,
+)
 
 from omnicache.demo import cli
 from omnicache.demo.processor import Processor
@@ -226,76 +235,80 @@ def test_nothing_raises_into_the_caller_while_the_server_flaps(
 # -- eviction and expiry ---------------------------------------------------------------
 
 
-def test_maxmemory_eviction_leaves_misses_never_mixed_blocks(
-    tmp_path: Path, redis_binary: str
-) -> None:
-    server = RedisServer.start_private(tmp_path, redis_binary)
+@pytest.fixture
+def private_server(tmp_path: Path, redis_binary: str) -> Iterator[RedisServer]:
+    """A fresh server of the test's own, stopped afterwards; one that does not start
+    fails or skips as the shared one does (``no_server``)."""
+    # NOTE: started in a fixture, not in the test: pytest reports a fixture's
+    # skip at the test's line, a test's own at the line of pytest.skip.
     try:
-        client = server.client()
-        client.config_set("maxmemory", 2 * 1024 * 1024)
-        client.config_set("maxmemory-policy", "allkeys-random")
-        entries = [EntrySpec(f"layer{j}", (2048,), torch.float32, False, 0) for j in range(3)]
-        tier = RedisTier.from_url(server.url, namespace="evict")
-        n = 64
-        data = {
-            (i, e.name): torch.full((BS, 2048), float(i * 10 + j))
-            for i in range(n)
-            for j, e in enumerate(entries)
-        }
-        for i in range(n):
-            tier.put([TierBlock(key(i), e.name, data[i, e.name]) for e in entries])
-            assert tier.flush(10)
-        assert tier.stats.num_written_values == 3 * n
-        # NOTE: replies count against maxmemory too, so reads near the limit
-        # evict more; lift it to check against a fixed set of survivors.
-        client.config_set("maxmemory", 0)
-        present = [
-            all(client.exists(value_key("omnicache", "evict", key(i), e.name)) for e in entries)
-            for i in range(n)
-        ]
-        # 6 MiB written into 2 MiB: most blocks lost some value.
-        assert sum(present) < n // 2
-        expected_run = present.index(False) if False in present else n
-        found = tier.get([key(i) for i in range(n)], entries, BS)
-        assert len(found) == expected_run
-        for i, got in enumerate(found):
-            for e in entries:
-                assert torch.equal(got[e.name], data[i, e.name])
-        # Every block still whole is served on its own.
-        for i in range(n):
-            assert len(tier.get([key(i)], entries, BS)) == int(present[i])
-        assert tier.stats.num_rejected_values == 0
-        tier.close(2)
-    finally:
-        server.shut_for_good()
+        server = RedisServer.start_private(tmp_path / "redis", redis_binary)
+    except ServerStartError as exc:
+        no_server(str(exc))
+    yield server
+    server.shut_for_good()
+
+
+def test_maxmemory_eviction_leaves_misses_never_mixed_blocks(private_server: RedisServer) -> None:
+    client = private_server.client()
+    client.config_set("maxmemory", 2 * 1024 * 1024)
+    client.config_set("maxmemory-policy", "allkeys-random")
+    entries = [EntrySpec(f"layer{j}", (2048,), torch.float32, False, 0) for j in range(3)]
+    tier = RedisTier.from_url(private_server.url, namespace="evict")
+    n = 64
+    data = {
+        (i, e.name): torch.full((BS, 2048), float(i * 10 + j))
+        for i in range(n)
+        for j, e in enumerate(entries)
+    }
+    for i in range(n):
+        tier.put([TierBlock(key(i), e.name, data[i, e.name]) for e in entries])
+        assert tier.flush(10)
+    assert tier.stats.num_written_values == 3 * n
+    # NOTE: replies count against maxmemory too, so reads near the limit
+    # evict more; lift it to check against a fixed set of survivors.
+    client.config_set("maxmemory", 0)
+    present = [
+        all(client.exists(value_key("omnicache", "evict", key(i), e.name)) for e in entries)
+        for i in range(n)
+    ]
+    # 6 MiB written into 2 MiB: most blocks lost some value.
+    assert sum(present) < n // 2
+    expected_run = present.index(False) if False in present else n
+    found = tier.get([key(i) for i in range(n)], entries, BS)
+    assert len(found) == expected_run
+    for i, got in enumerate(found):
+        for e in entries:
+            assert torch.equal(got[e.name], data[i, e.name])
+    # Every block still whole is served on its own.
+    for i in range(n):
+        assert len(tier.get([key(i)], entries, BS)) == int(present[i])
+    assert tier.stats.num_rejected_values == 0
+    tier.close(2)
 
 
 def test_a_full_server_under_noeviction_refuses_writes_counted(
-    tmp_path: Path, redis_binary: str, caplog: pytest.LogCaptureFixture
+    private_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    server = RedisServer.start_private(tmp_path, redis_binary)
-    try:
-        client = server.client()
-        client.config_set("maxmemory-policy", "noeviction")
-        tier = RedisTier.from_url(server.url, namespace="full", retry_after_s=60.0)
-        put(tier, [1])
+    client = private_server.client()
+    client.config_set("maxmemory-policy", "noeviction")
+    tier = RedisTier.from_url(private_server.url, namespace="full", retry_after_s=60.0)
+    put(tier, [1])
+    assert tier.flush(5)
+    # Memory now counts as full: every further SET is refused with OOM.
+    client.config_set("maxmemory", 1)
+    with caplog.at_level(logging.WARNING, logger="omnicache.tiers.redis"):
+        put(tier, [2, 3])
         assert tier.flush(5)
-        # Memory now counts as full: every further SET is refused with OOM.
-        client.config_set("maxmemory", 1)
-        with caplog.at_level(logging.WARNING, logger="omnicache.tiers.redis"):
-            put(tier, [2, 3])
-            assert tier.flush(5)
-        stats = tier.stats
-        assert (stats.num_written_values, stats.num_write_errors, stats.num_faults) == (1, 2, 0)
-        [message] = [r.getMessage() for r in caplog.records]
-        assert message.startswith("redis tier: server refused 2 of 2 writes (")
-        assert "command not allowed when used memory > 'maxmemory'" in message
-        # No outage: reads are not held back, and what was stored is served.
-        assert hits(tier, [1, 2]) == [1]
-        assert tier.stats.num_skipped_calls == 0
-        tier.close(2)
-    finally:
-        server.shut_for_good()
+    stats = tier.stats
+    assert (stats.num_written_values, stats.num_write_errors, stats.num_faults) == (1, 2, 0)
+    [message] = [r.getMessage() for r in caplog.records]
+    assert message.startswith("redis tier: server refused 2 of 2 writes (")
+    assert "command not allowed when used memory > 'maxmemory'" in message
+    # No outage: reads are not held back, and what was stored is served.
+    assert hits(tier, [1, 2]) == [1]
+    assert tier.stats.num_skipped_calls == 0
+    tier.close(2)
 
 
 def test_values_carry_the_ttl(redis_server: RedisServer, namespace: str) -> None:
@@ -499,8 +512,13 @@ def test_a_second_engine_process_hits_what_the_first_computed(
 
 @pytest.fixture
 def cluster(tmp_path: Path, redis_binary: str) -> Iterator[list[RedisServer]]:
-    """Three masters on loopback (``redis_binary`` first: it fails or skips as in CI)."""
-    nodes = start_cluster(tmp_path, redis_binary)
+    """Three masters on loopback; no binary, or a node that does not start, fails or
+    skips as the shared server does (``no_server``); a cluster that does not form
+    fails."""
+    try:
+        nodes = start_cluster(tmp_path, redis_binary)
+    except ServerStartError as exc:
+        no_server(str(exc))
     yield nodes
     for node in nodes:
         node.shut_for_good()
@@ -652,3 +670,71 @@ def test_a_process_that_exits_without_close_still_writes_its_queue(
     assert result.returncode == 0, result.stderr
     names = [value_key("omnicache", namespace, bytes([i]) * 32, "h") for i in range(50)]
     assert redis_server.client().exists(*names) == 50
+
+
+# -- the script that starts the test server ------------------------------------------------
+
+
+def _script(command: str, folder: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(SCRIPT), command, str(folder)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.fixture
+def bare_env(tmp_path: Path, redis_binary: str) -> dict[str, str]:
+    """The environment with a PATH of only bash, mkdir, sleep and python3 (the list in
+    the script's header): no seq, cat or redis-cli, which a machine may lack."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for name in ("bash", "mkdir", "sleep"):
+        found = shutil.which(name)
+        assert found is not None, f"no {name} on PATH"
+        (tools / name).symlink_to(found)
+    # The Python the script falls back on where the project's environment is missing.
+    (tools / "python3").symlink_to(sys.executable)
+    return {**os.environ, "PATH": str(tools), SERVER_VARIABLE: redis_binary}
+
+
+@pytest.fixture
+def started_by_script(
+    tmp_path: Path, bare_env: dict[str, str], redis_binary: str
+) -> Iterator[tuple[subprocess.CompletedProcess[str], RedisServer]]:
+    """What ``start`` printed, and its server; one that does not start fails or skips
+    as the shared one does (``no_server``)."""
+    folder = tmp_path / "server"
+    started = _script("start", folder, bare_env)
+    if started.returncode != 0:
+        no_server(f"redis-test-server.sh start failed: {started.stderr.strip()}")
+    server = RedisServer(started.stdout.strip(), str(folder / "redis.conf"), folder, redis_binary)
+    yield started, server
+    server.shut_for_good()
+
+
+def test_the_script_starts_and_stops_a_server_with_only_the_tools_it_names(
+    started_by_script: tuple[subprocess.CompletedProcess[str], RedisServer],
+    bare_env: dict[str, str],
+) -> None:
+    started, server = started_by_script
+    folder = server.owned_dir
+    assert folder is not None
+    assert (started.stdout, started.stderr) == (f"redis://127.0.0.1:{server.port}/0\n", "")
+    assert (folder / "redis.conf").read_text() == (
+        f"bind 127.0.0.1\nport {server.port}\ndaemonize yes\npidfile {folder}/redis.pid\n"
+        f'logfile {folder}/redis.log\ndir {folder}\nsave ""\nappendonly no\n'
+    )
+    assert server.client().ping() is True
+    # What RedisServer.attach restarts a server from.
+    assert server.client().info("server")["config_file"] == str(folder / "redis.conf")
+    stopped = _script("stop", folder, bare_env)
+    assert (stopped.returncode, stopped.stdout, stopped.stderr) == (0, "", "")
+    # Shut down by SIGTERM (the server removes its pid file as it exits), and
+    # nothing listens on the port any more.
+    assert not (folder / "redis.pid").exists()
+    with pytest.raises(redis.ConnectionError):
+        server.client().ping()
