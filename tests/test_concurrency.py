@@ -143,6 +143,28 @@ def test_annotate_prompt_and_a_shared_block_hasher_are_reentrant() -> None:
         assert keys == serial
 
 
+def test_a_request_block_hasher_shared_by_threads_keeps_its_roots_consistent() -> None:
+    """vLLM 0.33 keys requests on its input thread and new tokens on the scheduler's."""
+    from omnicache.integrations.vllm import RequestBlockHasher
+
+    shared = RequestBlockHasher(4, namespace="m", max_roots=8)
+    salts = [f"tenant-{i}" for i in range(24)]  # three times the roots kept
+    tokens = AnnotatedTokens(list(range(1, 33)), [])
+    serial = {
+        salt: BlockHasher(4, namespace="m", cache_salt=salt).hash_blocks(tokens) for salt in salts
+    }
+
+    def work(index: int) -> list[tuple[str, list[BlockHash]]]:
+        order = salts * 4
+        random.Random(index).shuffle(order)
+        return [(salt, shared.hasher_for(salt, None).hash_blocks(tokens)) for salt in order]
+
+    for results in in_threads(work):
+        assert len(results) == 4 * len(salts)
+        for salt, keys in results:
+            assert keys == serial[salt]
+
+
 def test_threads_appending_to_one_view_each_get_their_own_sequence() -> None:
     """The claim of annotations.py: concurrent appends never share a buffer slot."""
     base = annotate_prompt(

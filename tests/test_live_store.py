@@ -1,20 +1,25 @@
-"""LiveStore: a worker's store applied step by step from StepPlans (no vLLM needed)."""
+"""LiveStore: a worker's store applied step by step from StepPlans (vLLM importable, no engine)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from test_vllm_integration import VLLM_MISSING
 
 from omnicache.block_hash import BlockHash
-from omnicache.integrations.vllm.live_store import LiveStore
-from omnicache.integrations.vllm.step_plan import (
+from omnicache.integrations.vllm.plan import (
     PlannedRequest,
     StepPlan,
     block_ids_of,
     planned_slots,
 )
 from omnicache.store import HIDDEN_STATES, TensorStore
+
+# NOTE: the worker's module imports vLLM (it is the worker's room); its store needs no engine.
+pytestmark = pytest.mark.skipif(VLLM_MISSING is not None, reason=VLLM_MISSING or "")
+if VLLM_MISSING is None:
+    from omnicache.integrations.vllm.worker import LiveStore
 
 BS = 4  # tokens per block
 HIDDEN = 3

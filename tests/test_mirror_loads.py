@@ -16,7 +16,6 @@ import pytest
 import test_vllm_integration as integration
 
 from omnicache.integrations.vllm import OmniKVCacheManager
-from omnicache.store import TensorStore
 
 pytestmark = integration.needs_vllm
 
@@ -28,10 +27,10 @@ class Scheduler:
     """The manager wrapped and mirrored, as `OmniScheduler` sets them up."""
 
     def __init__(self) -> None:
-        from omnicache.integrations.vllm.mirror import StoreMirror
+        from omnicache.integrations.vllm.manager import StoreMirror
 
         manager = integration.kv_cache_manager(16)
-        self.wrapper = OmniKVCacheManager(manager, TensorStore(16, BS))
+        self.wrapper = OmniKVCacheManager(manager)
         self.mirror = StoreMirror(self.wrapper)
         self.hasher = integration.RequestBlockHasher(BS, namespace=integration.NAMESPACE)
 
@@ -55,7 +54,7 @@ class Scheduler:
         return ids
 
     def stamped(self, ids: tuple[int, ...], request: Any) -> int:
-        return int(self.wrapper.store.probe(list(ids), request.block_hashes[: len(ids)]))
+        return self.mirror.table.num_valid(list(ids), request.block_hashes[: len(ids)])
 
 
 def test_loaded_blocks_are_stamped_at_allocation_ordered_and_part_of_the_hit() -> None:

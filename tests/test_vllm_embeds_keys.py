@@ -6,7 +6,7 @@ own block hasher (sha256) and one whose requests carry `RequestBlockHasher`:
 the hits (tokens) and the block tables must be equal, and equal to the
 numbers written down here. The keys themselves are checked against
 `BlockHasher` over the annotations the documentation of
-``omnicache.integrations.vllm.prompt_embeds`` spells out. Runs on vLLM 0.33
+``omnicache.integrations.vllm.keys`` spells out. Runs on vLLM 0.33
 (``.venv``) and 0.32 (the live engine's environment), but for lookahead block
 hashes, which only 0.33 has.
 """
@@ -30,14 +30,14 @@ from test_vllm_integration import (
     needs_vllm,
     recompute,
 )
+from vllm_harness import EngineHarness
+from vllm_managers import new_kv_cache_manager
 
 from hashing import DEFAULT_ALGORITHM, hash_array
 from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
 from omnicache.block_hash import BlockHasher
-from omnicache.integrations.vllm import OmniKVCacheManager, RequestBlockHasher, StepRequest
-from omnicache.integrations.vllm.kv_cache import new_kv_cache_manager
-from omnicache.integrations.vllm.prompt_embeds import EMBEDS_SCHEME, prompt_embeds_digest
-from omnicache.store import TensorStore
+from omnicache.integrations.vllm import RequestBlockHasher
+from omnicache.integrations.vllm.keys import EMBEDS_SCHEME, prompt_embeds_digest
 
 if VLLM_MISSING is None:
     import vllm
@@ -451,27 +451,18 @@ def test_lookahead_hits_equal_vllms(lookahead: int) -> None:
 
 @needs_lookahead
 def test_lookahead_hits_serve_stored_rows_exactly() -> None:
-    """The store wrapper stamps a block once its lookahead key exists, and hits read it back."""
-    store = TensorStore(24, BLOCK_SIZE, hidden_size=HIDDEN, hidden_dtype=torch.float32)
-    wrapper = OmniKVCacheManager(manager(1), store)
+    """The worker stamps a block once its lookahead key exists, and hits read it back."""
+    h = EngineHarness(manager(1), lambda r: recompute(r)["hidden_states"], HIDDEN)
     hasher = omni_hasher(1)
 
     def run(request_id: str, token_ids: list[int]) -> tuple[int, list[int]]:
         req = request(hasher, request_id, token_ids=token_ids)
-        blocks, num_hit, _ = wrapper.get_computed_blocks(req)
-        assert wrapper.allocate_slots(req, req.num_tokens - num_hit, num_hit, blocks) is not None
-        req.status = RequestStatus.RUNNING
-        expected = recompute(req)["hidden_states"]
-        step = [StepRequest(request_id, req.num_tokens - num_hit, num_hit)]
-        wrapper.write_outputs(step, hidden_states=expected[num_hit:])
-        merged = wrapper.read_merged(step, hidden_states=expected[num_hit:])
-        assert merged.misses == ()
-        assert torch.equal(merged.hidden_states[request_id], expected)
-        req.num_computed_tokens = req.num_tokens
-        req.status = RequestStatus.FINISHED_STOPPED
-        wrapper.free(req)
-        stamped = [b for b in range(1, 8) if store.stamp_of("hidden_states", b) is not None]
-        return int(num_hit), stamped
+        num_hit, _, rows = h.run(req)
+        assert rows is not None
+        assert torch.equal(rows, recompute(req)["hidden_states"])
+        stamped = [b for b in range(1, 8) if h.store.stamp_of("hidden_states", b) is not None]
+        assert stamped == [b for b in range(1, 8) if h.mirror.table.stamps[b] is not None]
+        return num_hit, stamped
 
     text = list(range(1, 49))
     # 48 tokens: block 2 has no key yet (it needs token 48), so it is not stamped.

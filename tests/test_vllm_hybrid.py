@@ -37,14 +37,11 @@ from test_vllm_integration import (
     image_feature,
     recompute,
 )
+from vllm_harness import EngineHarness
+from vllm_managers import new_hybrid_kv_cache_manager
 
 from omnicache.block_hash import BlockHash
 from omnicache.integrations.vllm import OmniKVCacheManager, RequestBlockHasher, make_request
-from omnicache.integrations.vllm.kv_cache import new_hybrid_kv_cache_manager
-from omnicache.integrations.vllm.live_store import LiveStore
-from omnicache.integrations.vllm.mirror import StoreMirror
-from omnicache.integrations.vllm.step_plan import planned_slots
-from omnicache.store import ScheduledRequest, TensorStore
 
 pytestmark = pytest.mark.skipif(VLLM_MISSING is not None, reason=VLLM_MISSING or "")
 
@@ -134,15 +131,9 @@ def new_manager(config: Config) -> Any:
     )
 
 
-def new_wrapper(config: Config) -> OmniKVCacheManager:
-    store = TensorStore(
-        config.num_blocks,
-        config.store_block_size,
-        hidden_size=HIDDEN,
-        hidden_dtype=torch.float32,
-    )
-    store.register("codes", 2, torch.int64)
-    return OmniKVCacheManager(new_manager(config), store)
+def new_harness(config: Config) -> EngineHarness:
+    """vLLM's manager of ``config`` under omnicache, and a worker's store."""
+    return EngineHarness(new_manager(config), lambda r: recompute(r)["hidden_states"], HIDDEN)
 
 
 def hasher() -> RequestBlockHasher:
@@ -255,37 +246,28 @@ def run_scenario_plain(config: Config) -> list[tuple[str, int, int, tuple[list[i
     return results
 
 
-def admit_and_compute(wrapper: OmniKVCacheManager, request: Any) -> int:
-    """Lookup, then chunk by chunk: allocation, rows stored, merged with the hit (exact)."""
-    rid = request.request_id
-    wrapper.new_step_starts()
-    blocks, num_hit, _ = wrapper.get_computed_blocks(request)
-    rows = recompute(request)
-    for start, end in allocated_chunks(wrapper, request, num_hit, blocks):
-        step = [ScheduledRequest(rid, end - start, start)]
-        outputs = {
-            "hidden_states": rows["hidden_states"][start:end],
-            "multimodal_outputs": {"codes": rows["codes"][start:end]},
-        }
-        wrapper.write_outputs(step, **outputs)
-        if start == num_hit:
-            merged = wrapper.read_merged(step, **outputs)
-            assert merged.misses == ()
-            assert torch.equal(merged.hidden_states[rid], rows["hidden_states"][:end])
-            assert torch.equal(merged.tensors["codes"][rid], rows["codes"][:end])
+def admit_and_compute(h: EngineHarness, request: Any) -> int:
+    """Lookup, then chunk by chunk: allocation and a step each; the prompt rows come back exact."""
+    h.wrapper.new_step_starts()
+    blocks, num_hit, _ = h.wrapper.get_computed_blocks(request)
+    for start, end in allocated_chunks(h.wrapper, request, num_hit, blocks):
+        h.step([(request, end - start)])
+    rows = h.take(request.request_id)
+    assert rows is not None
+    assert torch.equal(rows, recompute(request)["hidden_states"])
     return int(num_hit)
 
 
 def run_scenario_wrapped(config: Config) -> list[tuple[str, int, tuple[list[int], ...]]]:
-    wrapper = new_wrapper(config)
+    h = new_harness(config)
     results = []
     for rid, image, salt, extra in SCENARIO:
         request = scenario_request(rid, image, salt, extra)
-        num_hit = admit_and_compute(wrapper, request)
-        results.append((rid, num_hit, wrapper.get_block_ids(rid)))
-        request.status = RequestStatus.FINISHED_STOPPED
-        wrapper.free(request)
-    assert wrapper.stats.num_capped_blocks == 0
+        num_hit = admit_and_compute(h, request)
+        results.append((rid, num_hit, h.wrapper.get_block_ids(rid)))
+        h.finish(request)
+    assert h.wrapper.stats.num_capped_blocks == 0
+    assert h.live.stats.num_stale_hit_blocks == 0
     return results
 
 
@@ -318,12 +300,12 @@ def test_hits_and_block_tables_equal_vllms_own(config: Config) -> None:
 
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
 def test_other_images_and_salts_share_no_block_past_the_text(config: Config) -> None:
-    wrapper = new_wrapper(config._replace(num_blocks=96))
+    h = new_harness(config._replace(num_blocks=96))
     tables: dict[str, tuple[list[int], ...]] = {}
     for rid, image, salt, extra in SCENARIO[:4]:
         request = scenario_request(rid, image, salt, extra)
-        admit_and_compute(wrapper, request)
-        tables[rid] = wrapper.get_block_ids(rid)
+        admit_and_compute(h, request)
+        tables[rid] = h.wrapper.get_block_ids(rid)
     # All four are held at once: a block in two tables is shared by both.
     size = config.store_block_size
     red, red_again, blue, salted = (tables[rid] for rid, _, _, _ in SCENARIO[:4])
@@ -353,56 +335,46 @@ def holds_key(manager: Any, block: Any, key: BlockHash, group_id: int) -> bool:
 def test_a_copied_tail_block_is_never_stamped_and_never_serves_a_hit() -> None:
     config = CONFIGS[-1]  # full attention in 64-token blocks, hashes of 16, aligned Mamba
     assert config.name == "finer-hashes"
-    store = TensorStore(config.num_blocks, 64, hidden_size=HIDDEN, hidden_dtype=torch.float32)
-    store.register("codes", 2, torch.int64)
-    # Uncapped: the wrapper takes vLLM's partial hit as it is.
-    wrapper = OmniKVCacheManager(new_manager(config), store, require_stored_outputs=False)
+    h = new_harness(config)
     red = scenario_request("red", RED_HEX, None, 0)
-    admit_and_compute(wrapper, red)
-    red_table = wrapper.request_block_ids("red")
-    red.status = RequestStatus.FINISHED_STOPPED
-    wrapper.free(red)
+    admit_and_compute(h, red)
+    red_table = h.wrapper.request_block_ids("red")
+    h.finish(red)
     again = scenario_request("red-again", RED_HEX, None, 40)
     keys = group_keys(again, 64)
-    wrapper.new_step_starts()
-    blocks, num_hit, _ = wrapper.get_computed_blocks(again)
+    h.wrapper.new_step_starts()
+    # vLLM's own lookup, past the wrapper's cap: it hits a partial block.
+    blocks, num_hit, _ = h.wrapper.manager.get_computed_blocks(again)
     assert num_hit == 144  # two whole blocks and 16 tokens of red's third (its prompt's end)
     # As vLLM's scheduler splits it for Mamba: up to the prompt's checkpoint, then the rest.
     assert prefill_chunks(again, 144) == [176, 192]
-    assert wrapper.allocate_slots(again, 32, num_hit, blocks)
-    table = wrapper.request_block_ids("red-again")
-    copies, retained = wrapper.take_kv_cache_block_copies()
+    assert h.wrapper.allocate_slots(again, 32, num_hit, blocks)
+    again.num_computed_tokens = num_hit
+    table = h.wrapper.request_block_ids("red-again")
+    copies, retained = h.wrapper.take_kv_cache_block_copies()
     # vLLM copies red's shared tail block into a block of the request's own.
     assert table[:2] == red_table[:2] and table[2] not in red_table
     assert (red_table[2], table[2]) in {(c.src_block_id, c.dst_block_id) for c in copies}
-    wrapper.manager.block_pool.free_blocks(retained)
-    # The hit the store knows of is whole blocks; the copy starts without rows.
-    assert wrapper.hit_blocks("red-again") == (tuple(red_table[:2]), tuple(keys[:2]))
-    assert store.stamp_of("hidden_states", table[2]) is None
-    rows = recompute(again)
-    for start, end in ((144, 176), (176, 192)):
-        if start == 176:
-            wrapper.new_step_starts()
-            assert wrapper.allocate_slots(again, end - start)
-        step = [ScheduledRequest("red-again", end - start, start)]
-        outputs = {
-            "hidden_states": rows["hidden_states"][start:end],
-            "multimodal_outputs": {"codes": rows["codes"][start:end]},
-        }
-        wrapper.write_outputs(step, **outputs)
-        merged = wrapper.read_merged(step, **outputs)
-        # Tokens 128..143 live only in vLLM's KV copy: no read has the hit's rows.
-        assert merged.misses == ()
-        assert torch.equal(merged.hidden_states["red-again"], rows["hidden_states"][start:end])
-        again.num_computed_tokens = end
-    # The copy is now full (192 tokens): vLLM keys it, the store never stamps
-    # it (its rows began at offset 16), so a capped lookup would not hit it.
-    wrapper.cache_blocks(again, again.num_tokens)
-    assert holds_key(wrapper.manager, wrapper.manager.block_pool.blocks[table[2]], keys[2], 0)
-    assert store.stamp_of("hidden_states", table[2]) is None
-    assert store.probe(table, keys[:3]) == 2
+    h.wrapper.manager.block_pool.free_blocks(retained)
+    # The hit the wrapper records is whole blocks; the copy starts without rows.
+    assert h.wrapper.hit_blocks("red-again") == (tuple(red_table[:2]), tuple(keys[:2]))
+    h.step([(again, 32)])
+    h.wrapper.new_step_starts()
+    assert h.wrapper.allocate_slots(again, 16)
+    h.step([(again, 16)])
+    # Tokens 128..143 live only in vLLM's KV copy: the worker has no rows for
+    # them, so the prompt's result is the hit's rows, then a gap, and none is kept.
+    assert h.live.stats.num_prompt_results == 1  # red's only
+    # The copy is now full (192 tokens): vLLM keys it, neither the table nor the
+    # worker stamps it (its rows began at offset 16), so a capped lookup would
+    # not hit it.
+    h.wrapper.cache_blocks(again, again.num_tokens)
+    assert holds_key(h.wrapper.manager, h.wrapper.manager.block_pool.blocks[table[2]], keys[2], 0)
+    assert h.mirror.table.stamps[table[2]] is None
+    assert h.store.stamp_of("hidden_states", table[2]) is None
+    assert h.store.probe(table, keys[:3]) == 2
     # Red's own tail block kept no stamp either: its rows never filled it.
-    assert store.stamp_of("hidden_states", red_table[2]) is None
+    assert h.store.stamp_of("hidden_states", red_table[2]) is None
 
 
 def test_configurations_the_store_cannot_follow_are_refused() -> None:
@@ -410,14 +382,13 @@ def test_configurations_the_store_cannot_follow_are_refused() -> None:
     sliding = SlidingWindowSpec(block_size=16, sliding_window=32, **common)
     chunked = ChunkedLocalAttentionSpec(block_size=16, attention_chunk_size=32, **common)
     full = FullAttentionSpec(block_size=16, **common)
-    store = TensorStore(16, 16)
     for specs, found in (
         ([sliding], "['sliding window']"),
         ([sliding, chunked], "['sliding window', 'chunked local attention']"),
     ):
         manager = new_hybrid_kv_cache_manager(16, specs, max_model_len=512)
         with pytest.raises(ValueError) as info:
-            OmniKVCacheManager(manager, store)
+            OmniKVCacheManager(manager)
         assert str(info.value) == (
             "manager: expected a full-attention KV cache group (the only kind whose blocks "
             "hold every token of a prefix, which the store's rows follow), found groups " + found
@@ -426,21 +397,15 @@ def test_configurations_the_store_cannot_follow_are_refused() -> None:
         assert manager.block_pool.metrics_collector is None
     hybrid = new_hybrid_kv_cache_manager(16, [full, sliding], max_model_len=512)
     with pytest.raises(ValueError) as info:
-        OmniKVCacheManager(hybrid, store, kv_cache_group_id=1)
+        OmniKVCacheManager(hybrid, kv_cache_group_id=1)
     assert str(info.value) == (
         "kv_cache_group_id: expected a full-attention group [0], found group 1 (sliding window)"
     )
     coarse = new_hybrid_kv_cache_manager(
         16, [FullAttentionSpec(block_size=32, **common), sliding], max_model_len=512
     )
-    with pytest.raises(
-        ValueError,
-        match=r"store: expected block_size 32 \(vLLM's block size in "
-        r"KV cache group 0, hash block size 16\), found 16",
-    ):
-        OmniKVCacheManager(coarse, store)
-    wrapper = OmniKVCacheManager(coarse, TensorStore(16, 32))
-    assert wrapper.manager is coarse
+    wrapper = OmniKVCacheManager(coarse)
+    assert (wrapper.manager, wrapper.group.block_size, wrapper.group.scale) == (coarse, 32, 2)
 
 
 KINDS = "full attention, sliding window, chunked local attention, Mamba, circular buffer"
@@ -450,9 +415,9 @@ HISPARSE = (
 )
 
 
-def refused(manager: Any, store: TensorStore) -> str:
+def refused(manager: Any) -> str:
     with pytest.raises(ValueError) as info:
-        OmniKVCacheManager(manager, store)
+        OmniKVCacheManager(manager)
     # Refused before anything changed: vLLM's collector is its own.
     assert manager.block_pool.metrics_collector is None
     return str(info.value)
@@ -461,7 +426,6 @@ def refused(manager: Any, store: TensorStore) -> str:
 def test_kinds_of_group_vllm_does_not_prefix_cache_are_refused_with_the_reason() -> None:
     common = {"num_kv_heads": 1, "head_size": 8, "dtype": torch.float16}
     full = FullAttentionSpec(block_size=16, **common)
-    store = TensorStore(16, 16)
 
     def build(*groups: Any) -> Any:
         config = KVCacheConfig(
@@ -516,7 +480,7 @@ def test_kinds_of_group_vllm_does_not_prefix_cache_are_refused_with_the_reason()
         ),
     ]
     for groups, found in cases:
-        message = refused(build(*groups), store)
+        message = refused(build(*groups))
         assert message == f"manager: expected KV cache groups of {KINDS}, found {found}"
     # Static sinks: vLLM's coordinator cannot build their manager at all ...
     sink = SinkFullAttentionSpec(block_size=16, sink_len=16, **common)
@@ -537,7 +501,7 @@ def test_kinds_of_group_vllm_does_not_prefix_cache_are_refused_with_the_reason()
     )
     coordinator = manager.coordinator
     coordinator.single_type_managers = (coordinator.single_type_managers[0], by_hand)
-    assert refused(manager, store) == (
+    assert refused(manager) == (
         f"manager: expected KV cache groups of {KINDS}, found SinkFullAttentionManager for "
         "group 1 (SinkFullAttentionSpec): vLLM does not prefix-cache static-sink attention: "
         "its KV cache coordinator cannot build this manager (its constructor takes no "
@@ -552,7 +516,7 @@ def test_kinds_of_group_vllm_does_not_prefix_cache_are_refused_with_the_reason()
             build((full, default), (unaligned, default))
         assert str(failed.value) == "Mamba prefix caching requires mamba_cache_mode='align'"
     else:
-        assert refused(build((full, default), (unaligned, default)), store) == (
+        assert refused(build((full, default), (unaligned, default))) == (
             "manager: expected Mamba groups in mamba_cache_mode 'align' (the only mode vLLM "
             "prefix-caches), found 'none' for group 1 (MambaSpec)"
         )
@@ -560,56 +524,29 @@ def test_kinds_of_group_vllm_does_not_prefix_cache_are_refused_with_the_reason()
 
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
 def test_the_mirror_and_a_workers_store_follow_the_store_group(config: Config) -> None:
-    """The StepListener contract in hybrid models: the mirror's plans stamp the worker's store."""
-    wrapper = OmniKVCacheManager(
-        new_manager(config), TensorStore(config.num_blocks, config.store_block_size)
-    )
-    mirror = StoreMirror(wrapper)
-    worker = LiveStore(
-        TensorStore(
-            config.num_blocks,
-            config.store_block_size,
-            hidden_size=HIDDEN,
-            hidden_dtype=torch.float32,
-        ),
-        max_results=8,
-    )
+    """In hybrid models too, the mirror's plans stamp the worker's store as its table says."""
+    h = new_harness(config)
     hits = []
     for rid, image, salt, extra in SCENARIO:
         request = scenario_request(rid, image, salt, extra)
-        rows = recompute(request)["hidden_states"]
-        wrapper.new_step_starts()
-        blocks, num_hit, _ = wrapper.get_computed_blocks(request)
-        hits.append(num_hit)
-        for start, end in allocated_chunks(wrapper, request, num_hit, blocks):
-            prompt = {rid: request.num_tokens} if start == num_hit else {}
-            plan = mirror.plan([(rid, start, end - start)], prompt, ())
-            slots = planned_slots(plan.requests, config.store_block_size)
-            assert slots is not None
-            worker.apply(plan, [rid], rows[start:end], torch.from_numpy(slots))
-        # The worker's prompt hidden states: the hit's stored rows, then the computed ones.
-        assert torch.equal(worker.take([rid])[rid], rows)  # type: ignore[arg-type]
-        request.status = RequestStatus.FINISHED_STOPPED
-        wrapper.free(request)
-        plan = mirror.plan((), {}, (rid,))
-        worker.apply(plan)
-    # The mirror's stamps are the worker's, block for block.
+        hits.append(admit_and_compute(h, request))
+        h.finish(request)
+    h.step([])  # the worker hears of the last request's end
+    # The table's stamps are the worker's, block for block.
     for block_id in range(1, config.num_blocks):
-        assert wrapper.store.stamp_of("hidden_states", block_id) == worker.store.stamp_of(
-            "hidden_states", block_id
-        )
+        assert h.mirror.table.stamps[block_id] == h.store.stamp_of("hidden_states", block_id)
     assert hits == EXPECTED_HITS[config.name][1]
-    assert worker.stats.num_stale_hit_blocks == 0
+    assert h.live.stats.num_stale_hit_blocks == 0
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
 def test_the_connectors_lookup_is_vllms_and_capped_alike(config: Config) -> None:
-    wrapper = new_wrapper(config)
+    h = new_harness(config)
+    wrapper = h.wrapper
     plain = new_manager(config)
     red = scenario_request("red", RED_HEX, None, 0)
-    admit_and_compute(wrapper, red)
-    red.status = RequestStatus.FINISHED_STOPPED
-    wrapper.free(red)
+    admit_and_compute(h, red)
+    h.finish(red)
     twin = scenario_request("red", RED_HEX, None, 0)
     plain.new_step_starts()
     blocks, _, _ = plain.get_computed_blocks(twin)
@@ -630,13 +567,14 @@ def test_the_connectors_lookup_is_vllms_and_capped_alike(config: Config) -> None
         assert (found[1], found[3]) == (vllm_found[1] // size * size, False)
     assert found[1] == EXPECTED_HITS[config.name][1][1]
     # Rows never written: the connector's lookup is capped too, for every group.
-    blank = new_wrapper(config)
+    blank = new_harness(config)
     first = scenario_request("red", RED_HEX, None, 0)
-    blank.new_step_starts()
-    blocks, _, _ = blank.get_computed_blocks(first)
-    assert blank.allocate_slots(first, prefill_chunks(first, 0)[0], 0, blocks)
-    blank.new_step_starts()
+    blank.wrapper.new_step_starts()
+    blocks, _, _ = blank.wrapper.get_computed_blocks(first)
+    assert blank.wrapper.allocate_slots(first, prefill_chunks(first, 0)[0], 0, blocks)
+    blank.step([])  # vLLM took it back before its step: its allocation is undone
+    blank.wrapper.new_step_starts()
     sibling = scenario_request("red-again", RED_HEX, None, 0)
-    # vLLM has the first 64 tokens' keys (registered at allocation), the store no rows.
-    assert blank.manager.get_computed_blocks_for_connector(sibling)[1] == 64
-    assert blank.get_computed_blocks_for_connector(sibling)[1:] == (0, 0, False)
+    # vLLM has the first 64 tokens' keys (registered at allocation), the worker no rows.
+    assert blank.wrapper.manager.get_computed_blocks_for_connector(sibling)[1] == 64
+    assert blank.wrapper.get_computed_blocks_for_connector(sibling)[1:] == (0, 0, False)

@@ -1,12 +1,15 @@
 """A randomized run per hybrid configuration over vLLM's real KV cache manager (0.32, 0.33).
 
-Chunked prefill, decode, aborts, a small pool reused over and over, and
-lookups of siblings whose chunks have not run yet (vLLM has their keys, the
-store not their rows): the wrapper never serves a row that is not the
-recompute of its prefix; every hit is consistent across groups (each group's
-blocks hold the request's keys where vLLM's own rules need them); vLLM's
-copies on write never touch the store group; adversarial reads get exact
-rows or a StaleBlockError.
+Engine steps of chunked prefill, decode, aborts and allocations vLLM takes
+back before their step (priority preemption), over a small pool reused over
+and over, with siblings looked up in the step that computes their twin's
+blocks and after a twin's allocation was undone (vLLM has the blocks' keys,
+the worker not their rows): every prompt's hidden states the worker returns
+are the recompute of its prefix and no hit is stale; every hit is
+consistent across groups (each group's blocks hold the request's keys where
+vLLM's own rules need them); vLLM's copies on write never touch the rows'
+group; adversarial reads of the worker's store get exact rows or a
+StaleBlockError.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from test_vllm_hybrid import (
     group_keys,
     hasher,
     holds_key,
-    new_wrapper,
+    new_harness,
     prefill_chunks,
 )
 from test_vllm_integration import (
@@ -38,7 +41,7 @@ from test_vllm_integration import (
 
 from omnicache.block_hash import BlockHash
 from omnicache.integrations.vllm import make_request
-from omnicache.store import ScheduledRequest, StaleBlockError
+from omnicache.store import StaleBlockError
 
 pytestmark = pytest.mark.skipif(VLLM_MISSING is not None, reason=VLLM_MISSING or "")
 
@@ -85,22 +88,26 @@ class SimRequest:
         self.max_len = max_len
         self.scheduled = 0
         self.hit = 0
-        self.first_step = True
 
 
 class Sim:
-    """Requests through the wrapper as vLLM's scheduler drives it, over a small pool."""
+    """Requests through an engine's two sides, step by step as vLLM runs them, over a small pool."""
 
     def __init__(self, config: Config, seed: int) -> None:
         self.config = config
         self.rng = random.Random(seed)
-        self.wrapper = new_wrapper(config)
+        self.h = new_harness(config)
+        self.wrapper = self.h.wrapper
         self.manager = self.wrapper.manager
-        self.store = self.wrapper.store
+        self.store = self.h.store
         self.active: list[SimRequest] = []
         # Each store-group key ever seen -> (tokens, features, first position).
         self.registry: dict[BlockHash, tuple[list[int], list[Any], int]] = {}
         self.registry_keys: list[BlockHash] = []
+        # Requests whose prompt hidden states were taken and checked, and
+        # requests whose allocation vLLM took back.
+        self.collected: set[str] = set()
+        self.taken: Any = None
         self.num_requests = 0
         self.counts = dict.fromkeys(
             (
@@ -111,6 +118,8 @@ class Sim:
                 "copies",
                 "reads_ok",
                 "reads_stale",
+                "taken_back",
+                "results",
                 "aborts",
                 "finished",
                 "refused",
@@ -146,11 +155,16 @@ class Sim:
         if any(t == IMAGE_TOKEN for t in prompt) and not features:
             prompt = prompt[: items[0][1]] or [1]
         salt = rng.choice((None, None, "tenant"))
-        waiting = [sim for sim in self.active if sim.scheduled]
-        if waiting and rng.random() < 0.5:
-            # A sibling of a request whose chunk has not run: vLLM has the
-            # keys of its blocks, the store not their rows yet.
-            twin = rng.choice(waiting).request
+        twin = None
+        if self.taken is not None:
+            # A sibling of a request whose allocation was taken back: vLLM has
+            # the keys of its blocks, the worker not their rows (capped).
+            twin, self.taken = self.taken, None
+        elif self.active and rng.random() < 0.5:
+            # A sibling of a running request, in the step that computes its
+            # twin's blocks: served, since the worker writes before it reads.
+            twin = rng.choice(self.active).request
+        if twin is not None:
             prompt = list(twin.prompt_token_ids) + [rng.randrange(1, 60)] * rng.randrange(3)
             features, salt = list(twin.mm_features), twin.cache_salt
         request = make_request(
@@ -178,8 +192,7 @@ class Sim:
         if self.wrapper.allocate_slots(request, chunk, num_hit, blocks) is None:
             # The scheduler would retry it later; here it is dropped, as an abort.
             self.counts["refused"] += 1
-            request.status = RequestStatus.FINISHED_ABORTED
-            self.wrapper.free(request)
+            self.h.finish(request, RequestStatus.FINISHED_ABORTED)
             return
         request.status = RequestStatus.RUNNING
         sim = SimRequest(request, request.num_tokens + rng.randrange(1, 20))
@@ -215,29 +228,19 @@ class Sim:
             return
         sim.scheduled = chunk
 
-    def execute(self, sim: SimRequest) -> None:
+    def collect(self, sim: SimRequest) -> None:
+        """The prompt's hidden states, once the worker has them all: exact, never stale."""
         request = sim.request
-        start, n = request.num_computed_tokens, sim.scheduled
-        rows = recompute(request)
-        step = [ScheduledRequest(request.request_id, n, start)]
-        outputs = {
-            "hidden_states": rows["hidden_states"][start : start + n],
-            "multimodal_outputs": {"codes": rows["codes"][start : start + n]},
-        }
-        self.wrapper.write_outputs(step, **outputs)
-        if sim.first_step:
-            merged = self.wrapper.read_merged(step, **outputs)
-            assert merged.misses == ()
-            rid = request.request_id
-            assert torch.equal(merged.hidden_states[rid], rows["hidden_states"][: start + n])
-            assert torch.equal(merged.tensors["codes"][rid], rows["codes"][: start + n])
-            sim.first_step = False
-        request.num_computed_tokens = start + n
-        sim.scheduled = 0
+        if sim.rid in self.collected or request.num_computed_tokens < request.num_prompt_tokens:
+            return
+        rows = self.h.take(sim.rid)
+        assert rows is not None
+        assert torch.equal(rows, recompute(request)["hidden_states"][: request.num_prompt_tokens])
+        self.collected.add(sim.rid)
+        self.counts["results"] += 1
 
     def finish(self, sim: SimRequest, status: Any) -> None:
-        sim.request.status = status
-        self.wrapper.free(sim.request)
+        self.h.finish(sim.request, status)
         self.active.remove(sim)
         key = "aborts" if status == RequestStatus.FINISHED_ABORTED else "finished"
         self.counts[key] += 1
@@ -263,33 +266,50 @@ class Sim:
             self.counts["reads_ok"] += 1
 
     def step(self) -> None:
+        """One engine step: what the scheduler does, then the step vLLM runs."""
         rng = self.rng
-        roll = rng.random()
         self.wrapper.new_step_starts()
         # The copies vLLM asked for ran with the last step: release what it retained.
         copies, retained = self.wrapper.take_kv_cache_block_copies()
         tables = {b for sim in self.active for b in self.wrapper.request_block_ids(sim.rid)}
         for copy in copies:
-            # Copies only ever move another group's state: the store group's hits are whole.
+            # Copies only ever move another group's state: the rows' group's hits are whole.
             assert copy.src_block_id not in tables and copy.dst_block_id not in tables
         self.counts["copies"] += len(copies)
         self.manager.block_pool.free_blocks(retained)
-        if not self.active or (len(self.active) < 6 and roll < 0.25):
+        if rng.random() < 0.05:
+            # vLLM takes a new request back before its first step (priority
+            # preemption): its allocation is undone in the step's plan, and
+            # here it is aborted. Nothing else runs in that step.
+            before = len(self.active)
             self.new_request()
-        elif roll < 0.35 and self.registry_keys:
-            self.adversarial_read()
-        elif roll < 0.38:
-            sim = rng.choice(self.active)
-            if not sim.scheduled:
-                self.finish(sim, RequestStatus.FINISHED_ABORTED)
-        else:
-            sim = rng.choice(self.active)
-            if not sim.scheduled:
-                self.schedule(sim)
-            elif roll < 0.7:
-                # Chunks wait while others are looked up: their blocks have
-                # keys in vLLM and no rows in the store yet.
-                self.execute(sim)
+            if len(self.active) > before:
+                taken = self.active[-1]
+                self.counts["taken_back"] += 1
+                self.taken = taken.request
+                self.h.step([])
+                taken.scheduled = 0
+                self.finish(taken, RequestStatus.FINISHED_ABORTED)
+            return
+        for _ in range(rng.randrange(1, 4)):
+            roll = rng.random()
+            if not self.active or (len(self.active) < 6 and roll < 0.3):
+                self.new_request()
+            elif roll < 0.4 and self.registry_keys:
+                self.adversarial_read()
+            elif roll < 0.45:
+                sim = rng.choice(self.active)
+                if not sim.scheduled:
+                    self.finish(sim, RequestStatus.FINISHED_ABORTED)
+            else:
+                sim = rng.choice(self.active)
+                if not sim.scheduled:
+                    self.schedule(sim)
+        scheduled = [sim for sim in self.active if sim.scheduled]
+        self.h.step([(sim.request, sim.scheduled) for sim in scheduled])
+        for sim in scheduled:
+            sim.scheduled = 0
+            self.collect(sim)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
@@ -299,14 +319,15 @@ def test_randomized_reuse_never_serves_a_stale_row(config: Config) -> None:
         sim.step()
     counts, stats = sim.counts, sim.wrapper.stats
     assert stats.num_hit_blocks == counts["hit_tokens"] // config.store_block_size
-    store_stats = sim.store.stats
+    live, store_stats = sim.h.live.stats, sim.store.stats
     # The run exercised what it claims to (thresholds well below what this
-    # seed gives): hits, hits capped to rows not written yet, reuse, stale
-    # rows detected; in hybrid configurations, groups whose capped hit is not
-    # a cut of vLLM's first one; with finer hashes, vLLM's copies on write.
+    # seed gives): hits, hits capped to rows the worker does not hold, reuse,
+    # stale rows detected; in hybrid configurations, groups whose capped hit
+    # is not a cut of vLLM's first one; with finer hashes, vLLM's copies on write.
     assert counts["hits"] > 25 and counts["finished"] > 50 and counts["aborts"] > 20
+    assert counts["results"] > 500 and counts["taken_back"] > 100
     assert counts["reads_ok"] > 200 and counts["reads_stale"] > 500
-    assert counts["capped_hits"] >= 3 and store_stats.num_evicted_stamps > 100
+    assert counts["capped_hits"] >= 20 and live.num_cleared_blocks > 1000
     # A circular buffer's hit is always empty, so only windowed or Mamba groups count.
     relooked = any(kind in ("sliding", "chunked", "mamba") for kind, _, _ in config.groups)
     assert counts["relooked_groups"] >= (1 if relooked else 0)
@@ -319,3 +340,5 @@ def test_randomized_reuse_never_serves_a_stale_row(config: Config) -> None:
             for block in sim.manager.coordinator.get_blocks(sim_request.rid)[1]
         )
     assert store_stats.num_stale_reads == counts["reads_stale"]
+    # Every hit the worker read held its keys: the table never ran ahead of it.
+    assert (live.num_stale_hit_blocks, live.num_slot_mismatches) == (0, 0)

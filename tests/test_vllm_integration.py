@@ -18,10 +18,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import key
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
+from vllm_harness import EngineHarness
+from vllm_managers import new_kv_cache_manager
 
 from hashing import ContentHash, hash_audio, hash_bytes, hash_identifier, hash_image
 from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
@@ -30,7 +31,6 @@ from omnicache.integrations.vllm import (
     UUID_NAMESPACE,
     OmniKVCacheManager,
     RequestBlockHasher,
-    StepRequest,
     adapter_id,
     content_identifier,
     install_block_hasher,
@@ -38,11 +38,8 @@ from omnicache.integrations.vllm import (
     make_request,
     multi_modal_uuids,
 )
-from omnicache.integrations.vllm.kv_cache import new_kv_cache_manager
-from omnicache.integrations.vllm.prompt_embeds import prompt_embeds_digest
-from omnicache.store import ScheduledRequest, StaleBlockError, TensorStore
-from omnicache.tiers.base import value_key
-from omnicache.tiers.memory import MemoryTier
+from omnicache.integrations.vllm.keys import prompt_embeds_digest
+from omnicache.store import StaleBlockError
 
 
 def _vllm_missing() -> str | None:
@@ -129,27 +126,15 @@ def kv_cache_manager(num_blocks: int) -> Any:
     return new_kv_cache_manager(num_blocks, BLOCK_SIZE, max_model_len=1024)
 
 
-class Harness:
-    """vLLM's manager wrapped with a store, driven like vLLM's scheduler drives it."""
+class Harness(EngineHarness):
+    """vLLM's manager under omnicache and a worker's store, stepped like a live engine."""
 
-    def __init__(
-        self,
-        num_blocks: int = 16,
-        *,
-        deferred_codes: bool = False,
-        require_stored_outputs: bool = True,
-        tier: MemoryTier | None = None,
-    ) -> None:
-        self.manager = kv_cache_manager(num_blocks)
+    def __init__(self, num_blocks: int = 16) -> None:
+        super().__init__(
+            kv_cache_manager(num_blocks), lambda r: recompute(r)["hidden_states"], HIDDEN
+        )
         # The pool's own collector, which the wrapper forwards to and detach restores.
-        self.collector = self.manager.block_pool.metrics_collector
-        self.store = TensorStore(
-            num_blocks, BLOCK_SIZE, hidden_size=HIDDEN, hidden_dtype=torch.float32, tier=tier
-        )
-        self.store.register("codes", 2, torch.int64, deferred=deferred_codes)
-        self.wrapper = OmniKVCacheManager(
-            self.manager, self.store, require_stored_outputs=require_stored_outputs
-        )
+        self.collector = self.wrapper.manager.block_pool.metrics_collector.inner
         self.hasher = RequestBlockHasher(BLOCK_SIZE, namespace=NAMESPACE)
 
     def request(
@@ -164,41 +149,12 @@ class Harness:
             request_id, prompt, self.hasher, mm_features=features, cache_salt=cache_salt
         )
 
-    def admit(self, request: Any) -> int:
-        """Lookup and allocation; returns the tokens of the adopted hit."""
-        blocks, num_hit, _ = self.wrapper.get_computed_blocks(request)
-        allocated = self.wrapper.allocate_slots(
-            request, request.num_tokens - num_hit, num_hit, blocks
+    def stamps(self, block_ids: list[int]) -> tuple[list[Any], list[Any]]:
+        """The keys the scheduler's table and the worker's store hold for ``block_ids``."""
+        return (
+            [self.mirror.table.stamps[b] for b in block_ids],
+            [self.store.stamp_of("hidden_states", b) for b in block_ids],
         )
-        assert allocated is not None
-        request.status = RequestStatus.RUNNING
-        return int(num_hit)
-
-    def compute(self, request: Any) -> Any:
-        """The forward pass over the non-hit tokens: store its rows, merge with the hit."""
-        num_hit = self.wrapper.num_hit_tokens(request.request_id)
-        rows = recompute(request)
-        step = [StepRequest(request.request_id, request.num_tokens - num_hit, num_hit)]
-        outputs = {
-            "hidden_states": rows["hidden_states"][num_hit:],
-            "multimodal_outputs": {"codes": rows["codes"][num_hit:]},
-        }
-        self.wrapper.write_outputs(step, **outputs)
-        merged = self.wrapper.read_merged(step, **outputs)
-        request.num_computed_tokens = request.num_tokens
-        return merged
-
-    def finish(self, request: Any, status: Any = None) -> None:
-        request.status = RequestStatus.FINISHED_STOPPED if status is None else status
-        self.wrapper.free(request)
-
-    def run(self, request: Any) -> tuple[int, list[int], Any]:
-        """Admit, compute, finish; returns the hit tokens, the block table and the merge."""
-        num_hit = self.admit(request)
-        block_ids = self.wrapper.request_block_ids(request.request_id)
-        merged = self.compute(request)
-        self.finish(request)
-        return num_hit, block_ids, merged
 
 
 def image_feature(hex_digest: str, offset: int, length: int, **kwargs: Any) -> Any:
@@ -227,11 +183,10 @@ def omnicache_keys(
     return hasher.hash_blocks(AnnotatedTokens(token_ids, annotations))
 
 
-def assert_merged_exact(merged: Any, request: Any) -> None:
-    expected = recompute(request)
-    assert merged.misses == ()
-    assert torch.equal(merged.hidden_states[request.request_id], expected["hidden_states"])
-    assert torch.equal(merged.tensors["codes"][request.request_id], expected["codes"])
+def assert_rows_exact(rows: torch.Tensor | None, request: Any) -> None:
+    """The prompt rows a request got equal the stand-in model's from scratch."""
+    assert rows is not None
+    assert torch.equal(rows, recompute(request)["hidden_states"][: request.num_prompt_tokens])
 
 
 # -- without vLLM -----------------------------------------------------------------------
@@ -625,32 +580,32 @@ def test_install_block_hasher_into_engine_core() -> None:
         install_block_hasher(SimpleNamespace())
 
 
-# -- the wrapper: hits, misses, eviction, stale reads -------------------------------------
+# -- the wrapper and the worker: hits, misses, eviction, stale reads ---------------------
 
 
 @needs_vllm
-def test_same_image_hits_and_merges_exactly() -> None:
+def test_same_image_hits_and_reads_back_exactly() -> None:
     h = Harness()
     first = h.request("a", image_prompt(), [image_feature(RED_HEX, 16, 32)])
-    num_hit, block_ids, merged = h.run(first)
+    num_hit, block_ids, rows = h.run(first)
     assert (num_hit, block_ids) == (0, [1, 2, 3, 4])
-    assert_merged_exact(merged, first)
+    assert_rows_exact(rows, first)
     stored = [e for e in h.wrapper.take_events() if isinstance(e, BlockStored)]
     assert [e.block_hashes for e in stored] == [[block_hash_low64(k) for k in first.block_hashes]]
-    assert [h.store.stamp_of("hidden_states", b) for b in (1, 2, 3, 4)] == [
-        *first.block_hashes,
-        None,
-    ]
+    # The scheduler's table and the worker's store agree, block for block.
+    expected = [*first.block_hashes, None]
+    assert h.stamps([1, 2, 3, 4]) == (expected, expected)
 
     second = h.request("b", image_prompt(), [image_feature(RED_HEX, 16, 32)])
     assert second.block_hashes == first.block_hashes
-    num_hit, block_ids, merged = h.run(second)
+    num_hit, block_ids, rows = h.run(second)
     # 55 tokens may hit (the last is recomputed): 3 whole blocks.
     assert (num_hit, block_ids) == (48, [1, 2, 3, 4])
-    assert_merged_exact(merged, second)
-    assert merged.hidden_states["b"].shape == (56, HIDDEN)
+    assert_rows_exact(rows, second)
+    assert rows is not None and rows.shape == (56, HIDDEN)
     assert h.wrapper.stats.num_hit_blocks == 3
     assert h.store.stats.num_hit_blocks_read == 3
+    assert h.live.stats.num_stale_hit_blocks == 0
 
 
 @needs_vllm
@@ -659,11 +614,11 @@ def test_different_image_misses_after_the_text_blocks() -> None:
     red = h.request("a", image_prompt(), [image_feature(RED_HEX, 16, 32)])
     h.run(red)
     blue = h.request("b", image_prompt(), [image_feature(BLUE_HEX, 16, 32)])
-    num_hit, block_ids, merged = h.run(blue)
+    num_hit, block_ids, rows = h.run(blue)
     # Block 1 (text) is shared; the image blocks are new. The freed partial
     # block 4 is reused first, then never-used blocks.
     assert (num_hit, block_ids) == (16, [1, 4, 5, 6])
-    assert_merged_exact(merged, blue)
+    assert_rows_exact(rows, blue)
     assert not torch.equal(
         recompute(blue)["hidden_states"][16:], recompute(red)["hidden_states"][16:]
     )
@@ -680,9 +635,9 @@ def test_same_image_at_another_alignment_misses() -> None:
     assert at_0.block_hashes[0] == at_8.block_hashes[0]
     assert at_0.block_hashes[1] != at_8.block_hashes[1]
     h.run(at_0)
-    num_hit, block_ids, merged = h.run(at_8)
+    num_hit, block_ids, rows = h.run(at_8)
     assert (num_hit, block_ids) == (16, [1, 3, 4])
-    assert_merged_exact(merged, at_8)
+    assert_rows_exact(rows, at_8)
     again = h.request("c", prompt, [image_feature(RED_HEX, 24, 8)])
     assert h.run(again)[:2] == (32, [1, 3, 4])
 
@@ -705,9 +660,9 @@ def test_salt_isolates_tenants() -> None:
     assert h.run(tenant_b)[:2] == (0, [4, 5, 6, 7])
     assert h.run(unsalted)[:2] == (0, [7, 8, 9, 10])
     again = h.request("d", image_prompt(), feature, cache_salt="tenant-a")
-    num_hit, block_ids, merged = h.run(again)
+    num_hit, block_ids, rows = h.run(again)
     assert (num_hit, block_ids) == (48, [1, 2, 3, 10])
-    assert_merged_exact(merged, again)
+    assert_rows_exact(rows, again)
 
 
 @needs_vllm
@@ -720,27 +675,27 @@ def test_eviction_then_rerequest() -> None:
     text = h.request("t", list(range(500, 596)))  # 6 full blocks
     assert h.admit(text) == 0
     assert h.wrapper.request_block_ids("t") == [4, 5, 6, 7, 3, 2]
-    # Reuse cleared the stamps of a's blocks 3 and 2 before "t" wrote anything.
-    assert [h.store.stamp_of("hidden_states", b) for b in (1, 2, 3)] == [
-        first.block_hashes[0],
-        None,
-        None,
-    ]
+    # Reuse cleared a's blocks 3 and 2 in the table before "t" was given them,
+    # and "t"'s allocation stamped them with its keys, as its step will; the
+    # worker hears of both in that step's plan.
+    after = [first.block_hashes[0], text.block_hashes[5], text.block_hashes[4]]
+    assert h.stamps([1, 2, 3]) == (after, first.block_hashes[:3])
     removed = [e for e in h.wrapper.take_events() if isinstance(e, BlockRemoved)]
     assert [e.block_hashes for e in removed] == [
         [block_hash_low64(first.block_hashes[2])],
         [block_hash_low64(first.block_hashes[1])],
     ]
     assert h.wrapper.stats.num_cleared_blocks == 4 + 6
-    h.compute(text)
+    h.step([(text, text.num_tokens)])
+    assert h.stamps([1, 2, 3]) == (after, after)
     h.finish(text)
 
     rerequest = h.request("a2", image_prompt(), [image_feature(RED_HEX, 16, 32)])
-    num_hit, block_ids, merged = h.run(rerequest)
+    num_hit, block_ids, rows = h.run(rerequest)
     # Only block 1 kept a's key; the image blocks are computed again.
     assert num_hit == 16
     assert block_ids[0] == 1
-    assert_merged_exact(merged, rerequest)
+    assert_rows_exact(rows, rerequest)
     third = h.request("a3", image_prompt(), [image_feature(RED_HEX, 16, 32)])
     assert h.run(third)[0] == 48
 
@@ -773,22 +728,24 @@ def test_no_stale_read_after_a_block_is_reused() -> None:
     assert h.admit(third) == 48
     hit_block = h.wrapper.request_block_ids("c")[1]
     h.wrapper.evict_blocks({hit_block})
+    assert h.mirror.table.stamps[hit_block] is None
+    h.step([(third, third.num_tokens - 48)])
     assert h.store.stamp_of("hidden_states", hit_block) is None
-    merged = h.compute(third)
-    assert [(m.req_id, m.num_hit_blocks, m.num_valid_blocks) for m in merged.misses] == [
-        ("c", 3, 1)
-    ]
-    assert merged.hidden_states == {}
-    with pytest.raises(StaleBlockError):
-        h.wrapper.hit_outputs("c")
+    # The worker found 1 of the 3 hit blocks stamped: a stale hit, no rows.
+    assert h.live.stats.num_stale_hit_blocks == 2
+    assert h.take("c") is None
+    assert h.live.stats.num_prompt_failures == 1
 
 
 @needs_vllm
-def test_hit_capped_to_blocks_with_stored_outputs() -> None:
+def test_hit_capped_to_blocks_whose_rows_the_worker_holds() -> None:
     h = Harness()
     first = h.request("a", image_prompt(), [image_feature(RED_HEX, 16, 32)])
     assert h.admit(first) == 0
-    first.num_computed_tokens = first.num_tokens  # KV computed, outputs never stored
+    # vLLM took "a" back before its step (priority preemption): its
+    # allocation is undone, so its blocks hold KV vLLM may keep but no rows.
+    h.step([])
+    first.num_computed_tokens = first.num_tokens
     h.finish(first)
     h.wrapper.take_events()
     second = h.request("b", image_prompt(), [image_feature(RED_HEX, 16, 32)])
@@ -801,82 +758,25 @@ def test_hit_capped_to_blocks_with_stored_outputs() -> None:
         block_hash_low64(k) for k in first.block_hashes
     )
     assert h.wrapper.request_block_ids("b") == [4, 5, 6, 7]
-    assert_merged_exact(h.compute(second), second)
+    h.step([(second, second.num_tokens)])
     h.finish(second)
+    assert_rows_exact(h.take("b"), second)
     third = h.request("c", image_prompt(), [image_feature(RED_HEX, 16, 32)])
     assert h.admit(third) == 48
     assert h.wrapper.request_block_ids("c")[:3] == [4, 5, 6]
 
-    loose = Harness(require_stored_outputs=False)
-    blind = loose.request("a", image_prompt(), [image_feature(RED_HEX, 16, 32)])
-    loose.admit(blind)
+    # Without a mirror (a scheduler without omnicache's worker) nothing is
+    # capped: the wrapper only keys requests and sees reuses.
+    alone = OmniKVCacheManager(kv_cache_manager(16))
+    blind = h.request("x", image_prompt(), [image_feature(RED_HEX, 16, 32)])
+    blocks, num_hit, _ = alone.get_computed_blocks(blind)
+    assert alone.allocate_slots(blind, blind.num_tokens, num_hit, blocks) is not None
     blind.num_computed_tokens = blind.num_tokens
-    loose.finish(blind)
-    after = loose.request("b", image_prompt(), [image_feature(RED_HEX, 16, 32)])
-    assert loose.admit(after) == 48
-    merged = loose.compute(after)
-    assert [(m.num_hit_blocks, m.num_valid_blocks) for m in merged.misses] == [(3, 0)]
-
-
-@needs_vllm
-def test_deferred_outputs_committed_on_finish_dropped_on_abort() -> None:
-    h = Harness(deferred_codes=True)
-    first = h.request("a", image_prompt(), [image_feature(RED_HEX, 16, 32)])
-    h.admit(first)
-    h.compute(first)
-    assert h.store.has_staged("a")
-    assert [h.store.stamp_of("codes", b) for b in (1, 2, 3)] == [None, None, None]
-    # While "a" runs its codes are not stored: a concurrent hit is capped.
-    concurrent = h.request("b", image_prompt(), [image_feature(RED_HEX, 16, 32)])
-    assert h.admit(concurrent) == 0
-    h.compute(concurrent)
-    h.finish(first)
-    assert h.wrapper.stats.num_commits == 1
-    assert [h.store.stamp_of("codes", b) for b in (1, 2, 3)] == first.block_hashes
-    h.finish(concurrent, RequestStatus.FINISHED_ABORTED)
-    assert not h.store.has_staged("b")
-    assert h.wrapper.stats.num_discards == 1
-    assert [h.store.stamp_of("codes", b) for b in (5, 6, 7)] == [None, None, None]
-    later = h.request("c", image_prompt(), [image_feature(RED_HEX, 16, 32)])
-    assert h.admit(later) == 48
-    assert torch.equal(h.wrapper.hit_outputs("c")["codes"], recompute(later)["codes"][:48])
-    # Deferred rows arrive with the step but come back only once committed.
-    merged = h.compute(later)
-    assert torch.equal(merged.tensors["codes"]["c"], recompute(later)["codes"])
-
-
-@needs_vllm
-def test_a_tier_takes_blocks_as_they_are_stamped_and_deferred_ones_on_commit() -> None:
-    tier = MemoryTier(namespace="vllm")
-    h = Harness(deferred_codes=True, tier=tier)
-    first = h.request("a", image_prompt(), [image_feature(RED_HEX, 16, 32)])
-    h.admit(first)
-    h.compute(first)
-    keys = first.block_hashes
-    assert len(keys) == 3
-
-    def names(entry: str) -> set[str]:
-        return {value_key("omnicache", "vllm", k, entry) for k in keys}
-
-    # Hidden states go to the tier as the step stamps their blocks; the
-    # deferred codes only once the finished request commits them.
-    assert set(tier.values) == names("hidden_states")
-    h.finish(first)
-    assert set(tier.values) == names("hidden_states") | names("codes")
-    rows = recompute(first)
-    found = tier.get(keys, list(h.store.entries.values()), BLOCK_SIZE)
-    assert len(found) == 3
-    for i, got in enumerate(found):
-        span = slice(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE)
-        assert torch.equal(got["hidden_states"], rows["hidden_states"][span])
-        assert torch.equal(got["codes"], rows["codes"][span])
-    # An aborted request's staged codes never reach the tier.
-    blue = h.request("b", image_prompt(), [image_feature(BLUE_HEX, 16, 32)])
-    h.admit(blue)
-    h.compute(blue)
-    h.finish(blue, RequestStatus.FINISHED_ABORTED)
-    assert {name for name in tier.values if name.endswith(":codes")} == names("codes")
-    assert tier.stats.num_put_values == 3 + 3 + 2
+    blind.status = RequestStatus.FINISHED_STOPPED
+    alone.free(blind)
+    after = h.request("y", image_prompt(), [image_feature(RED_HEX, 16, 32)])
+    assert alone.get_computed_blocks(after)[1] == 48
+    assert alone.stats.num_capped_blocks == 0
 
 
 @needs_vllm
@@ -885,136 +785,49 @@ def test_reset_prefix_cache_clears_every_stamp() -> None:
     first = h.request("a", image_prompt(), [image_feature(RED_HEX, 16, 32)])
     h.run(first)
     assert h.wrapper.reset_prefix_cache() is True
-    assert [h.store.stamp_of("hidden_states", b) for b in (1, 2, 3)] == [None, None, None]
+    assert h.stamps([1, 2, 3])[0] == [None, None, None]
     again = h.request("b", image_prompt(), [image_feature(RED_HEX, 16, 32)])
-    assert h.run(again)[0] == 0
+    num_hit, block_ids, _ = h.run(again)
+    assert (num_hit, block_ids) == (0, [4, 5, 6, 7])
+    # The worker cleared its stamps too, before the step that followed.
+    assert h.stamps([1, 2, 3]) == ([None] * 3, [None] * 3)
+    assert h.stamps([4, 5, 6]) == (again.block_hashes, again.block_hashes)
 
 
 @needs_vllm
 def test_chunked_prefill_and_decode_stamp_blocks_as_they_fill() -> None:
     h = Harness()
     request = h.request("a", image_prompt(), [image_feature(RED_HEX, 16, 32)])
-    rows = recompute(request)
-    blocks, num_hit, _ = h.wrapper.get_computed_blocks(request)
-    assert h.wrapper.allocate_slots(request, 24, num_hit, blocks) is not None
-    # Blocks 1 and 2 are allocated; both are full blocks of the prompt, keyed.
-    assert h.wrapper.request_block_keys("a") == {
-        1: request.block_hashes[0],
-        2: request.block_hashes[1],
-    }
-    step = [StepRequest("a", 24, 0)]
-    result = h.wrapper.write_outputs(
-        step,
-        hidden_states=rows["hidden_states"][:24],
-        multimodal_outputs={"codes": rows["codes"][:24]},
-    )
-    assert (
-        result["hidden_states"].stamped_block_ids,
-        result["hidden_states"].incomplete_block_ids,
-    ) == ((1,), (2,))
-    request.num_computed_tokens = 24
+    assert h.admit(request, 24) == 0
+    # Blocks 1 and 2 are allocated; both are full blocks of the prompt, keyed:
+    # the first 24 rows complete block 1 only.
+    assert h.step([(request, 24)]) == {1: request.block_hashes[0]}
+    assert h.stamps([1, 2]) == ([request.block_hashes[0], None],) * 2
     assert h.wrapper.allocate_slots(request, 32) is not None
-    step = [StepRequest("a", 32, 24)]
-    result = h.wrapper.write_outputs(
-        step,
-        hidden_states=rows["hidden_states"][24:],
-        multimodal_outputs={"codes": rows["codes"][24:]},
-    )
-    assert result["hidden_states"].stamped_block_ids == (2, 3)
-    request.num_computed_tokens = 56
+    assert h.step([(request, 32)]) == {2: request.block_hashes[1], 3: request.block_hashes[2]}
+    assert_rows_exact(h.take("a"), request)
     for token_id in range(300, 308):
         request.append_output_token_ids(token_id)
         assert h.wrapper.allocate_slots(request, 1) is not None
-        position = request.num_tokens - 1
-        decoded = recompute(request)
-        h.wrapper.write_outputs(
-            [StepRequest("a", 1, position)],
-            hidden_states=decoded["hidden_states"][position:],
-            multimodal_outputs={"codes": decoded["codes"][position:]},
-        )
-        request.num_computed_tokens += 1
-    assert h.store.stamp_of("hidden_states", 4) == request.block_hashes[3]
+        h.step([(request, 1)])
+    assert h.stamps([4]) == ([request.block_hashes[3]],) * 2
     h.finish(request)
     follow_up = h.request(
         "b", image_prompt() + list(range(300, 308)) + [9], [image_feature(RED_HEX, 16, 32)]
     )
-    num_hit, block_ids, merged = h.run(follow_up)
+    num_hit, block_ids, rows = h.run(follow_up)
     assert (num_hit, block_ids[:4]) == (64, [1, 2, 3, 4])
-    assert_merged_exact(merged, follow_up)
+    assert_rows_exact(rows, follow_up)
 
 
 @needs_vllm
-def test_rejected_calls_leave_store_and_manager_unchanged() -> None:
-    h = Harness(deferred_codes=True)
-    request = h.request("a", image_prompt(), [image_feature(RED_HEX, 16, 32)])
-    h.admit(request)
-    rows = recompute(request)
-    before = h.store.stats
-    with pytest.raises(
-        ValueError, match=r"step\[0\]\.req_id: expected a request with allocated blocks, found 'zz'"
-    ):
-        h.wrapper.write_outputs([StepRequest("zz", 1, 0)], hidden_states=rows["hidden_states"])
-    with pytest.raises(
-        ValueError,
-        match=r"step\[0\]: expected tokens below 64 \(4 blocks allocated\), found tokens 60\.\.64",
-    ):
-        h.wrapper.write_outputs([StepRequest("a", 5, 60)], hidden_states=rows["hidden_states"])
-    # NOTE: the store checks the deferred rows (one check for every caller).
-    with pytest.raises(
-        ValueError, match=r"^entry 'codes': expected dtype torch\.int64, found torch\.int32$"
-    ):
-        h.wrapper.write_outputs(
-            [StepRequest("a", 56, 0)],
-            hidden_states=rows["hidden_states"],
-            multimodal_outputs={"codes": rows["codes"].to(torch.int32)},
-        )
-    with pytest.raises(ValueError, match=r"step\[1\]: request 'a' listed twice"):
-        h.wrapper.read_merged([StepRequest("a", 1, 0), StepRequest("a", 1, 1)])
-    with pytest.raises(
-        ValueError, match=r"^step\[0\]\.num_new_tokens: expected int >= 0, found -1$"
-    ):
-        h.wrapper.write_outputs([StepRequest("a", -1, 0)], hidden_states=rows["hidden_states"])
-    with pytest.raises(
-        TypeError, match=r"^step\[0\]\.num_computed_tokens: expected int, found bool$"
-    ):
-        h.wrapper.read_merged([StepRequest("a", 1, True)])
-    with pytest.raises(TypeError, match=r"^step\[0\]: expected ScheduledRequest, found tuple$"):
-        h.wrapper.read_merged([("a", 1, 0)])  # type: ignore[list-item]
-    # StepRequest is the store's ScheduledRequest, whose hit fields the
-    # wrapper owns: a request that brings its own hit is refused.
-    assert StepRequest is ScheduledRequest
-    with pytest.raises(ValueError) as info:
-        h.wrapper.read_merged([ScheduledRequest("a", 1, 0, [1], [request.block_hashes[0]])])
-    assert str(info.value) == (
-        "step[0].hit_block_ids: expected () (the wrapper fills in the hit it recorded), found [1]"
-    )
-    with pytest.raises(ValueError) as info:
-        h.wrapper.write_outputs(
-            [ScheduledRequest("a", 56, 0, hit_block_keys=(key(7),))],
-            hidden_states=rows["hidden_states"],
-            multimodal_outputs={"codes": rows["codes"]},
-        )
-    assert str(info.value) == (
-        "step[0].hit_block_keys: expected () (the wrapper fills in the hit it recorded), "
-        r"found (b'\x00\x00\x0...0\x00\x00\x07',)"
-    )
-    assert h.store.stats == before
-    assert not h.store.has_staged("a")
-    assert h.store.stamp_of("hidden_states", 1) is None
-
-
-@needs_vllm
-def test_wrapper_checks_manager_and_store_fit() -> None:
+def test_wrapper_checks_the_manager_it_wraps() -> None:
     h = Harness()
     with pytest.raises(ValueError, match=r"expected a manager not wrapped yet"):
-        OmniKVCacheManager(h.manager, h.store)
+        OmniKVCacheManager(h.manager)
     h.wrapper.detach()
     assert h.manager.block_pool.metrics_collector is h.collector
-    with pytest.raises(ValueError, match=r"store: expected block_size 16 .*found 8"):
-        OmniKVCacheManager(h.manager, TensorStore(16, 8))
-    with pytest.raises(ValueError, match=r"store: expected 16 blocks .*found 15"):
-        OmniKVCacheManager(h.manager, TensorStore(15, 16))
     with pytest.raises(TypeError, match=r"manager: expected a KVCacheManager, found dict"):
-        OmniKVCacheManager({}, h.store)  # type: ignore[arg-type]
-    wrapped = OmniKVCacheManager(h.manager, h.store)
+        OmniKVCacheManager({})  # type: ignore[arg-type]
+    wrapped = OmniKVCacheManager(h.manager)
     assert wrapped.usage == h.manager.usage  # everything else is the manager's

@@ -35,7 +35,7 @@ from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
 from omnicache.block_hash import BlockHash, BlockHasher, block_hash_low64
 from omnicache.integrations.vllm.common import live_engine_missing
 
-SCHEDULER = "omnicache.integrations.vllm.plugin.OmniScheduler"
+SCHEDULER = "omnicache.integrations.vllm.scheduler.OmniScheduler"
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
 MAX_TOKENS = 8
 
@@ -630,7 +630,7 @@ def test_audio_hits_as_prefix_caching_does_with_omnicache_digests(
 
 
 def test_options_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from omnicache.integrations.vllm.plugin import algorithm_from_env
+    from omnicache.integrations.vllm.scheduler import algorithm_from_env
 
     monkeypatch.delenv("OMNICACHE_BLOCK_ALGORITHM", raising=False)
     assert algorithm_from_env() == "sha256"

@@ -16,5 +16,5 @@ reference integration. One idea per module, from the bottom up:
   engine (transformers, imported when one is built).
 - `omnicache.demo.cli`: the ``omnicache`` command (``python -m omnicache``);
   it sits above `omnicache.integrations` and, for ``--engine vllm``, runs
-  `omnicache.integrations.vllm.demo`.
+  `omnicache.demo.live`.
 """

@@ -27,7 +27,7 @@ for the same file. ``--vllm SERIES`` picks the series whose rules apply
 server's ``VLLM_MAX_IMAGE_PIXELS``.
 
 ``demo --engine vllm`` serves the synthetic trace through vLLM 0.32's live
-CPU engine instead (`omnicache.integrations.vllm.demo`: caching off, vLLM's
+CPU engine instead (`omnicache.demo.live`: caching off, vLLM's
 own prefix caching, omnicache; ``--requests``, ``--seed`` and
 ``--num-blocks``, the KV cache's blocks, apply). vLLM is imported only then;
 without its live engine one line says how to get it (exit status 2).
@@ -483,7 +483,7 @@ def _serve_live(args: argparse.Namespace, defaults: argparse.Namespace) -> int:
             raise _UsageError(
                 f"{option}: expected only with --engine embedded, found --engine vllm"
             )
-    from omnicache.integrations.vllm.demo import LiveDemoConfig, run_live_demo, summary_lines
+    from omnicache.demo.live import LiveDemoConfig, run_live_demo, summary_lines
 
     try:
         config = LiveDemoConfig(num_blocks=args.num_blocks)

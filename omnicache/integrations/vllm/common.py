@@ -19,6 +19,7 @@ from typing import Any
 __all__ = [
     "CONNECTOR_MODULE",
     "CONNECTOR_NAME",
+    "GPU_WORKER_CLS",
     "INSTALL_HINT",
     "LIVE_INSTALL_HINT",
     "PROMPT_HIDDEN_STATES",
@@ -47,10 +48,12 @@ LIVE_INSTALL_HINT = (
 )
 
 # The names a user gives vLLM to turn omnicache on (see the README's "Use with vLLM").
-SCHEDULER_CLS = "omnicache.integrations.vllm.plugin.OmniScheduler"
+SCHEDULER_CLS = "omnicache.integrations.vllm.scheduler.OmniScheduler"
 """``scheduler_cls``: omnicache's keys (`plugin.OmniScheduler`)."""
 WORKER_CLS = "omnicache.integrations.vllm.worker.OmniCPUWorker"
-"""``worker_cls``: the worker that keeps hidden states (`worker.OmniCPUWorker`)."""
+"""``worker_cls`` on CPU: the worker that keeps hidden states (`worker.OmniCPUWorker`)."""
+GPU_WORKER_CLS = "omnicache.integrations.vllm.worker.OmniGPUWorker"
+"""``worker_cls`` on GPU (`worker.OmniGPUWorker`)."""
 CONNECTOR_NAME = "OmniStoreConnector"
 CONNECTOR_MODULE = "omnicache.integrations.vllm.connector"
 PROMPT_HIDDEN_STATES = "omnicache_prompt_hidden_states"

@@ -1,115 +1,530 @@
-"""A vLLM ``KVCacheManager`` that keeps a `TensorStore` in step with its block ids.
+"""The engine core's side of omnicache: vLLM's KV cache manager, what the worker holds, the plan.
 
-`OmniKVCacheManager` wraps a ``KVCacheManager``: lookups are capped to the
-blocks whose outputs are stored, a hit's hidden states and multimodal outputs
-are merged with the step's new rows, each allocated block's key stamps the
-rows written into it, every reuse of a block clears its stamps *before* the
-block is handed out, and a finished request's deferred outputs are committed.
+Everything here runs in the engine core's process, inside vLLM's scheduler,
+and knows the worker only by the plans it sends it (`plan.StepPlan`):
 
-Why a wrapper around the manager and not a KV connector: a connector is
-built by the engine from its configuration by class name, so it cannot be
-handed a store, and its scheduler-side hooks are about tokens *it* supplies
-(``get_num_new_matched_tokens`` adds external tokens to vLLM's local hit but
-cannot shorten that hit). The wrapper can: its ``get_computed_blocks`` caps a
-hit to the blocks whose outputs are stored, so a hit never comes without its
-rows. The manager is also the one object that sees lookup, allocation and
-free for every request; the reuse of blocks is taken from its ``BlockPool``
-(below), which a connector would have to reach the same way. The wrapper
-forwards every other attribute to the manager, so it can stand where the
-scheduler keeps ``kv_cache_manager``.
+- `OmniKVCacheManager` stands where the scheduler keeps ``kv_cache_manager``
+  and forwards every call to vLLM's manager. A lookup's hit is capped to the
+  blocks whose rows the worker holds; an allocation records the request's
+  block table and the hit it adopts; every reuse of a block clears what the
+  worker holds of it *before* the block is handed out.
+- `WorkerTable` is what the worker holds, kept without its rows: per block
+  of the KV cache, the key its rows are stamped with (or none) and how many
+  of its rows arrived in order, by the store's own fill and stamp rules
+  (`omnicache.store.fill`).
+- `StoreMirror` writes that table as vLLM allocates slots, and turns each
+  step into its `StepPlan`; it is the connector's scheduler side
+  (`plan.SchedulerSide`), and with a tier it looks blocks up there.
 
-Evictions are taken synchronously from ``BlockPool.metrics_collector``: vLLM
-calls its ``on_block_evicted`` for every block it hands out (while the block
-still holds its old key) and ``reset`` when the prefix cache is reset. The
-wrapper installs a collector there that clears the block's stamps and then
-forwards to the collector that was there before. ``BlockRemoved`` events would
-arrive only at the next ``take_events()``, after the new owner may already
-have written the block. Keys dropped through ``evict_blocks`` (a connector
-reporting failed loads) pass through the same hook. vLLM's block 0 is its
-null block: it is never handed out, so the store's block 0 stays unused.
+Why a wrapper around the manager and not a KV connector: a connector's
+scheduler-side hooks add external tokens to vLLM's local hit but cannot
+shorten it; the wrapper's ``get_computed_blocks`` caps a hit to the blocks
+whose rows the worker holds, so a hit never comes without its rows. The
+manager is also the one object that sees lookup, allocation and free.
 
-Hybrid models. With several KV cache groups (full attention beside sliding
-window, chunked local attention, Mamba or a circular buffer; kinds vLLM does
-not prefix-cache are refused), the store's rows follow one
-full-attention group's block ids (`groups.store_group` says why). Every group
-draws its blocks from the manager's one ``BlockPool``, so the one hook there
-sees every reuse, of every group; block ids are the pool's, so clearing a
-block that another group reuses is a no-op for the store. A hit whose rows
-the store lacks in part is shortened by looking it up again at the shorter
-length, so that every group agrees on it: a sliding-window group needs the
-blocks of the window that ends at the new length, not a truncated list of
-the old window's blocks.
+Evictions are taken synchronously from ``BlockPool.metrics_collector``
+(`ReuseHook`): vLLM calls its ``on_block_evicted`` for every block it hands
+out or whose keys it drops (``evict_blocks``), while the block still holds
+its old key, and ``reset`` when the prefix cache is reset; ``BlockRemoved``
+events would arrive only at the next ``take_events()``, after the new owner
+may already have written the block. vLLM's block 0, its null block, is
+never handed out.
 
-Hash blocks finer than KV blocks. vLLM 0.32 and 0.33 then key a group block
-by the hash at its last hash boundary, and with an aligned Mamba group they
-hit partial blocks: the shared tail block is copied on write into a block of
-the request's own. The store serves whole blocks only: a partial tail is
-dropped from the hit (looked up again at the whole-block length), so no
-shared tail is ever copied for a request whose hit the wrapper caps. A copy
-made anyway (no entries registered, or ``require_stored_outputs=False``)
-moves KV, not rows: its block is handed out through the hook (stamps
-cleared) and the request's writes start inside it, which never completes it.
+The mirror and the worker. The worker writes every scheduled token's hidden
+states into its store, synchronously inside the step, and stamps the full
+blocks they complete. The scheduler must know those stamps *before* the
+step runs: it caps every prefix hit to stamped blocks, and vLLM caches a
+block as soon as it allocates it, so a request scheduled later in the same
+step can hit a block that this step computes. So the table is written by the
+same rules at the same slots with the same keys, when vLLM allocates the
+slots; blocks vLLM hands out again are cleared in both (``cleared_block_ids``
+in the next plan). Since the worker applies each step's plan before the next
+one, a stamp in the table is a stamp in the worker's store by the time a
+request scheduled after it reads it. An allocation that is not scheduled in
+the end (vLLM's priority preemption can take back a request already
+scheduled) is undone in both. The worker still verifies every hit it reads:
+a table that runs ahead of it costs a counted stale hit, never wrong rows.
+
+Blocks loaded from a tier (`StoreMirror.on_loaded`, from the connector's
+``update_state_after_alloc``) are stamped when vLLM allocates them, in the
+step whose plan orders their load: the worker loads them in that step's
+``start_load_kv``, before the forward pass and before the step's reads, so by
+the time any request reads them (the loading request itself, or one
+scheduled later in the same step or after) the worker holds them. They
+extend the loading request's hit in the plan (local hit, then loaded
+blocks). A load the worker could not serve whole loads nothing: vLLM learns
+its block ids after the step (``get_block_ids_with_load_errors``) and
+recomputes the request from the first of them; `StoreMirror.on_load_failed`
+then clears those blocks here and, through the next plan, in the worker
+(which never stamped them).
+
+Hybrid models (docs/architecture.md, "Hybrid models and finer hash
+blocks"): the rows follow one full-attention group's block ids
+(`store_group`); every group draws its blocks from the manager's one
+``BlockPool``, so the one hook sees every reuse; a hit whose rows the worker
+lacks in part is looked up again at the shorter length, so that every group
+agrees on it (`cap_hit`), and a partial tail block (hash blocks finer than
+KV blocks) is dropped from the hit the same way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from omnicache.block_hash import BlockHash
-from omnicache.checks import check_bool, check_int, check_str, type_name
+from omnicache.checks import check_int, type_name
 from omnicache.integrations.vllm.common import require_vllm
-from omnicache.integrations.vllm.groups import store_group
-from omnicache.integrations.vllm.hits import cap_hit
-from omnicache.integrations.vllm.request_state import RequestState, check_no_hit
-from omnicache.integrations.vllm.reuse_hook import ReuseHook
-from omnicache.store import MergedRead, ScheduledRequest, TensorStore, WriteResult
+from omnicache.integrations.vllm.plan import (
+    EXTERNAL_TOKENS_PARAM,
+    LoadOrder,
+    PlannedRequest,
+    StepPlan,
+    block_ids_of,
+    prompt_requests,
+    scheduled,
+)
+from omnicache.integrations.vllm.tier import TierReader
+from omnicache.store.fill import fill_after
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.request import Request
 
-__all__ = ["OmniKVCacheManager", "OmniStats", "StepListener", "StepRequest"]
+__all__ = [
+    "NULL_BLOCK_ID",
+    "OmniKVCacheManager",
+    "OmniStats",
+    "RequestState",
+    "ReuseHook",
+    "StoreGroup",
+    "StoreMirror",
+    "WorkerTable",
+    "cap_hit",
+    "group_keys",
+    "lookup",
+    "store_group",
+]
 
-# vLLM keys its hash table by key + a 4-byte group id (BlockHashWithGroupId).
-_GROUP_ID_BYTES = 4
-
-_NULL_BLOCK_ID = 0
+NULL_BLOCK_ID = 0
+"""vLLM's null block: never handed out, it stands for blocks a group skips."""
 
 
-StepRequest = ScheduledRequest
-"""The store's `ScheduledRequest`, under the name `OmniKVCacheManager` callers know.
+# -- the group the rows follow ----------------------------------------------------------
+#
+# The worker keeps one row per token, so its rows follow ONE group's block ids:
+# a full-attention group, the only kind whose blocks hold every token of a
+# prefix; other kinds sit beside it, and kinds vLLM does not prefix-cache are
+# refused with the reason (docs/architecture.md, "Hybrid models and finer hash
+# blocks"). With hash blocks finer than the group's, a group block's key is the
+# hash at its last hash boundary:
+#
+#     hash blocks (16)  | A | B | C | D |      request.block_hashes = [A, B, C, D]
+#     group blocks (32) |   B   |   D   |      group_keys(...)      = [B, D]
 
-`OmniKVCacheManager.write_outputs` and `OmniKVCacheManager.read_merged` take
-one per request, in batch order, with ``hit_block_ids`` and ``hit_block_keys``
-left empty: the wrapper fills them in from the hit it recorded at allocation.
-"""
+
+class StoreGroup(NamedTuple):
+    """The KV cache group whose block ids index the store."""
+
+    group_id: int
+    # Tokens per block of that group (the store's block size).
+    block_size: int
+    # Hash blocks per group block (``block_size // hash_block_size``).
+    scale: int
 
 
-class StepListener(Protocol):
-    """Hears, synchronously and in scheduling order, what changes a manager's blocks.
+def group_keys(block_hashes: Sequence[BlockHash], scale: int) -> Sequence[BlockHash]:
+    """The keys of a request's full group blocks, from its keys per hash block.
 
-    ``on_allocated``: the request was given slots for its tokens ``start ..
-    start + len(slots) - 1``, which the next forward pass computes; ``slots``
-    are their KV cache slots and ``block_keys`` the keys of the full blocks
-    they touch. ``on_cleared``: vLLM handed block ``block_id`` out again or
-    dropped its key (None: every block, the prefix cache was reset).
+    With one hash block per group block, ``block_hashes`` itself (not a copy:
+    this runs on every allocation).
+    """
+    return block_hashes[scale - 1 :: scale] if scale > 1 else block_hashes
+
+
+def _supported_managers() -> dict[type[Any], str]:
+    """The kinds of group vLLM prefix-caches (or skips in its lookups), by exact class."""
+    from vllm.v1.core.single_type_kv_cache_manager import (
+        ChunkedLocalAttentionManager,
+        CircularBufferManager,
+        FullAttentionManager,
+        MambaManager,
+        SlidingWindowManager,
+    )
+
+    # NOTE: by exact class: vLLM's subclasses change which blocks a table
+    # holds (see `_refused_managers`). A circular buffer is one scratch block
+    # per request that vLLM leaves out of every lookup (its spec is not
+    # ``prefix_cacheable``): it sits beside the groups that are cached.
+    return {
+        FullAttentionManager: "full attention",
+        SlidingWindowManager: "sliding window",
+        ChunkedLocalAttentionManager: "chunked local attention",
+        MambaManager: "Mamba",
+        CircularBufferManager: "circular buffer",
+    }
+
+
+def _refused_managers() -> dict[type[Any], str]:
+    """Kinds of group vLLM itself does not prefix-cache, or caches where the store cannot follow."""
+    from vllm.v1.core.single_type_kv_cache_manager import (
+        CrossAttentionManager,
+        HiSparseHotManager,
+        HiSparseResidentManager,
+        HiSparseSourceManager,
+        RSWAManager,
+        SinkFullAttentionManager,
+    )
+
+    hisparse = (
+        "vLLM does not prefix-cache HiSparse hot or resident groups (their spec is not "
+        "prefix_cacheable); a HiSparse model's prefix cache is its source group's host pages"
+    )
+    return {
+        RSWAManager: (
+            "vLLM does not prefix-cache reference sliding windows: the model that makes them "
+            "(Unlimited-OCR) turns prefix caching off, its decode KV not being a function of "
+            "its prefix"
+        ),
+        CrossAttentionManager: (
+            "vLLM does not prefix-cache cross-attention: encoder-decoder models do not support "
+            "prefix caching, and this manager's lookup raises"
+        ),
+        SinkFullAttentionManager: (
+            "vLLM does not prefix-cache static-sink attention: its KV cache coordinator cannot "
+            "build this manager (its constructor takes no needs_kv_cache_zeroing)"
+        ),
+        HiSparseSourceManager: (
+            "vLLM prefix-caches a HiSparse model in this group's host pages, a block pool of "
+            "their own, which the store (indexed by the manager's pool) cannot follow"
+        ),
+        HiSparseHotManager: hisparse,
+        HiSparseResidentManager: hisparse,
+    }
+
+
+def _check_group(index: int, group_manager: Any, supported: dict[type[Any], str]) -> str:
+    """The kind of group ``index``, if the store can stand beside it or follow it."""
+    kind = supported.get(type(group_manager))
+    where = f"group {index} ({type_name(group_manager.kv_cache_spec)})"
+    if kind is None:
+        reason = _refused_managers().get(type(group_manager))
+        raise ValueError(
+            f"manager: expected KV cache groups of {', '.join(supported.values())}, "
+            f"found {type_name(group_manager)} for {where}"
+            + ("" if reason is None else f": {reason}")
+        )
+    mode = getattr(group_manager, "mamba_cache_mode", "align")
+    if kind == "Mamba" and mode != "align":
+        raise ValueError(
+            f"manager: expected Mamba groups in mamba_cache_mode 'align' (the only mode vLLM "
+            f"prefix-caches), found {mode!r} for {where}"
+        )
+    return kind
+
+
+def store_group(manager: Any, kv_cache_group_id: int | None) -> StoreGroup:
+    """The group the store follows: ``kv_cache_group_id``, or the first full-attention group.
+
+    Raises:
+        ValueError: a group of another kind than full attention, sliding
+            window, chunked local attention, Mamba ("align") or circular
+            buffer (the error says why vLLM does not prefix-cache a kind it
+            names); groups on several block pools; no full-attention group,
+            or ``kv_cache_group_id`` naming another kind of group.
+    """
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    supported = _supported_managers()
+    managers = manager.coordinator.single_type_managers
+    kinds: list[str] = []
+    for index, group_manager in enumerate(managers):
+        kind = _check_group(index, group_manager, supported)
+        if group_manager.block_pool is not manager.block_pool:
+            # NOTE: every reuse must pass the one hook on the manager's pool.
+            raise ValueError(
+                f"manager: expected every KV cache group on the manager's block pool, "
+                f"found group {index} ({kind}) on another pool"
+            )
+        kinds.append(kind)
+    full = [index for index, m in enumerate(managers) if type(m) is FullAttentionManager]
+    if kv_cache_group_id is None:
+        if not full:
+            raise ValueError(
+                "manager: expected a full-attention KV cache group (the only kind whose "
+                f"blocks hold every token of a prefix, which the store's rows follow), "
+                f"found groups {kinds}"
+            )
+        group_id = full[0]
+    else:
+        group_id = check_int(
+            "kv_cache_group_id", kv_cache_group_id, minimum=0, maximum=len(managers) - 1
+        )
+        if group_id not in full:
+            raise ValueError(
+                f"kv_cache_group_id: expected a full-attention group {full}, found group "
+                f"{group_id} ({kinds[group_id]})"
+            )
+    block_size = int(managers[group_id].block_size)
+    hash_block_size = int(manager.block_pool.hash_block_size)
+    if block_size % hash_block_size:
+        raise ValueError(
+            f"manager: expected a block size that is a multiple of the hash block size "
+            f"{hash_block_size}, found {block_size} (group {group_id})"
+        )
+    return StoreGroup(group_id, block_size, block_size // hash_block_size)
+
+
+# -- what the worker holds ---------------------------------------------------------------
+
+
+class WorkerTable:
+    """Per block, the key the worker's rows are stamped with, and how many arrived in order.
+
+    The worker's `TensorStore` without its rows: written by the store's own
+    rules (`omnicache.store.fill`), so that a block is stamped here exactly
+    when it is stamped there. Plain numpy: nothing here holds a tensor.
+
+    Args:
+        num_blocks: blocks of the KV cache (vLLM's null block included).
+        block_size: tokens per block of the group the rows follow.
     """
 
-    def on_allocated(
-        self,
-        request_id: str,
-        start: int,
-        slots: npt.NDArray[np.int64],
-        block_keys: dict[int, BlockHash],
-    ) -> None: ...
+    __slots__ = ("block_size", "filled", "num_blocks", "stamps")
 
-    def on_cleared(self, block_id: int | None) -> None: ...
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = check_int("num_blocks", num_blocks, minimum=1)
+        self.block_size = check_int("block_size", block_size, minimum=1)
+        self.stamps: list[BlockHash | None] = [None] * num_blocks
+        self.filled: list[int] = [0] * num_blocks
+
+    def write(self, slots: npt.NDArray[np.int64], block_keys: Mapping[int, BlockHash]) -> None:
+        """Rows written at ``slots`` (in order), with the keys of the blocks they may complete.
+
+        Each block touched is stamped with its key if it has one and its rows
+        are then complete, and loses its stamp otherwise (the store's rule).
+        """
+        bs = self.block_size
+        num = len(slots)
+        if num == 0:
+            return
+        if num == 1:
+            # NOTE: a decode step allocates one slot per request: numpy's
+            # per-call cost would be most of the step's work here.
+            runs = [(int(slots[0]), 1)]
+        else:
+            cuts = np.flatnonzero((np.diff(slots) != 1) | (np.diff(slots // bs) != 0)) + 1
+            starts = [0, *cuts.tolist()]
+            stops = [*cuts.tolist(), num]
+            runs = [(int(slots[a]), b - a) for a, b in zip(starts, stops, strict=True)]
+        filled, stamps = self.filled, self.stamps
+        for first, length in runs:
+            block, offset = divmod(first, bs)
+            filled[block] = count = fill_after(int(filled[block]), offset, length)
+            key = block_keys.get(block)
+            stamps[block] = key if key is not None and count == bs else None
+
+    def stamp_blocks(self, block_ids: Sequence[int], block_keys: Sequence[BlockHash]) -> None:
+        """Whole blocks written at once (loaded from a tier), each stamped with its key."""
+        for block_id, key in zip(block_ids, block_keys, strict=True):
+            self.filled[block_id] = self.block_size
+            self.stamps[block_id] = key
+
+    def clear(self, block_ids: Iterable[int]) -> None:
+        """The blocks hold nothing any more."""
+        for block_id in block_ids:
+            self.stamps[block_id] = None
+            self.filled[block_id] = 0
+
+    def clear_all(self) -> None:
+        self.stamps = [None] * self.num_blocks
+        self.filled = [0] * self.num_blocks
+
+    def num_valid(self, block_ids: Sequence[int], block_keys: Sequence[BlockHash]) -> int:
+        """How many of the leading ``block_ids`` are stamped with their ``block_keys``."""
+        stamps = self.stamps
+        for index, (block_id, key) in enumerate(zip(block_ids, block_keys, strict=False)):
+            if stamps[block_id] != key:
+                return index
+        return min(len(block_ids), len(block_keys))
+
+
+# -- what the wrapper records of a request ------------------------------------------------
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    """What the wrapper records of a request, from its allocation to its free."""
+
+    request: Any
+    # The request's block table in vLLM's store group (its own list, updated in place).
+    blocks: list[Any]
+    # Hash blocks per store block.
+    scale: int
+    num_hit_tokens: int = 0
+    hit_block_ids: tuple[int, ...] = ()
+    hit_block_keys: tuple[BlockHash, ...] = ()
+
+    def slots(
+        self,
+        start: int,
+        num_new: int,
+        block_size: int,
+        block_keys: dict[int, BlockHash],
+        where: str,
+    ) -> npt.NDArray[np.int64]:
+        """Slots of the request's tokens ``[start, start + num_new)``, ``num_new > 0``.
+
+        Adds to ``block_keys`` the key of each full block those tokens touch.
+        """
+        blocks = self.blocks
+        stop = start + num_new
+        if stop > len(blocks) * block_size:
+            raise ValueError(
+                f"{where}: expected tokens below {len(blocks) * block_size} ({len(blocks)} "
+                f"blocks allocated), found tokens {start}..{stop - 1}"
+            )
+        first = start // block_size
+        last = (stop - 1) // block_size
+        block_ids = [block.block_id for block in blocks[first : last + 1]]
+        if NULL_BLOCK_ID in block_ids:
+            raise RuntimeError(
+                f"{where}: tokens {start}..{stop - 1} map to vLLM's null block "
+                f"(block table {block_ids})"
+            )
+        hashes = self.keys()
+        for block in range(first, min(last + 1, len(hashes))):
+            block_keys[block_ids[block - first]] = hashes[block]
+        if num_new == 1:
+            # NOTE: a decode step's one slot, without numpy's per-call cost.
+            return np.array([block_ids[0] * block_size + start % block_size], dtype=np.int64)
+        positions = np.arange(start, stop, dtype=np.int64)
+        ids = np.asarray(block_ids, dtype=np.int64)
+        slots: npt.NDArray[np.int64] = (
+            ids[positions // block_size - first] * block_size + positions % block_size
+        )
+        return slots
+
+    def keys(self) -> Sequence[BlockHash]:
+        """The keys of the request's full blocks in the store group."""
+        return group_keys(self.request.block_hashes, self.scale)
+
+
+class ReuseHook:
+    """Stands in for ``BlockPool.metrics_collector`` and forwards to the one it replaced.
+
+    Args:
+        inner: the collector that was there (None: none).
+        on_reused: called with each block vLLM hands out again or whose keys
+            it drops, before the collector it replaced hears of it.
+        on_reset: called when the prefix cache is reset.
+    """
+
+    __slots__ = ("inner", "on_reset", "on_reused")
+
+    def __init__(
+        self, inner: Any, on_reused: Callable[[Any], None], on_reset: Callable[[], None]
+    ) -> None:
+        self.inner = inner
+        self.on_reused = on_reused
+        self.on_reset = on_reset
+
+    def on_block_evicted(self, block: Any) -> None:
+        self.on_reused(block)
+        if self.inner is not None:
+            self.inner.on_block_evicted(block)
+
+    def reset(self) -> None:
+        self.on_reset()
+        if self.inner is not None:
+            self.inner.reset()
+
+    def on_block_allocated(self, block: Any) -> None:
+        if self.inner is not None:
+            self.inner.on_block_allocated(block)
+
+    def on_block_accessed(self, block: Any) -> None:
+        if self.inner is not None:
+            self.inner.on_block_accessed(block)
+
+    def should_sample_block(self) -> bool:
+        return self.inner is not None and bool(self.inner.should_sample_block())
+
+    def drain_events(self) -> list[Any]:
+        return [] if self.inner is None else list(self.inner.drain_events())
+
+
+# -- hits the worker can serve -------------------------------------------------------------
+#
+# A hit comes with its rows only if every block of it in the rows' group holds
+# the request's key for that block (its stamps). A hit that ends inside a
+# block, or on blocks without their rows, is shortened, and shortened the way
+# vLLM would find it: by looking it up again, over every group, at the
+# longest length the worker serves. Truncating each group's block list
+# instead would be wrong for a sliding-window group, whose hit is the window
+# of blocks that ends at the hit's end: at a shorter length it needs other
+# blocks (which vLLM may not hold, so the hit may shrink further), and a
+# chunked local group needs the blocks of the chunk that holds the new end.
+
+
+def cap_hit(
+    manager: Any, table: WorkerTable, group: StoreGroup, request: Any, blocks: Any, num_hit: int
+) -> tuple[tuple[Any, int, int] | None, int]:
+    """vLLM's hit of ``num_hit`` tokens (``blocks``), or one the worker serves.
+
+    Every lookup is shorter than the one before, so this ends.
+
+    Returns:
+        None if vLLM's hit comes with its rows, else the hit the worker serves
+        as vLLM's lookup returns it (blocks per group, tokens, shared-prefix
+        boundary); and the rows' group's hit blocks found without their rows.
+    """
+    block_size = group.block_size
+    keys = group_keys(request.block_hashes, group.scale)
+    capped: tuple[Any, int, int] | None = None
+    num_capped = 0
+    while True:
+        num_blocks = num_hit // block_size
+        hit = blocks.blocks[group.group_id][:num_blocks]
+        num_valid = table.num_valid([block.block_id for block in hit], keys[:num_blocks])
+        if num_valid * block_size == num_hit:
+            return capped, num_capped
+        num_capped += num_blocks - num_valid
+        # NOTE: a free block without its rows can never serve a hit (only an
+        # owner writes rows), yet vLLM would keep finding it first among
+        # blocks that share its key, such as the copy this request is about
+        # to compute. Dropping its key lets the next lookup find the copy.
+        useless = {
+            block.block_id
+            for block, key in zip(hit[num_valid:], keys[num_valid:num_blocks], strict=True)
+            if block.ref_cnt == 0 and not table.num_valid([block.block_id], [key])
+        }
+        if useless:
+            manager.evict_blocks(useless)
+        capped = lookup(manager, request, num_valid * block_size)
+        blocks, num_hit, _ = capped
+
+
+def lookup(manager: Any, request: Any, max_length: int) -> tuple[Any, int, int]:
+    """vLLM's lookup over every group for a hit of at most ``max_length`` tokens.
+
+    NOTE: the coordinator's, not the manager's: 0.32's manager takes no
+    length. The third value is the manager's shared-prefix boundary.
+    """
+    if max_length == 0:
+        return manager.empty_kv_cache_blocks, 0, 0
+    found, num_hit, num_uncached = manager.coordinator.find_longest_cache_hit(
+        request.block_hashes, max_length
+    )
+    boundary = num_hit + num_uncached if num_uncached else 0
+    return manager.create_kv_cache_blocks(found), num_hit, boundary
+
+
+# -- the manager ------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -119,98 +534,47 @@ class OmniStats:
     num_lookups: int = 0
     # Blocks of prefix hits adopted by allocations.
     num_hit_blocks: int = 0
-    # Blocks vLLM had cached but whose outputs the store lacked: recomputed.
+    # Blocks vLLM had cached but whose rows the worker lacked: recomputed.
     num_capped_blocks: int = 0
-    # Blocks vLLM handed out again or whose key it dropped: stamps cleared.
+    # Blocks vLLM handed out again or whose key it dropped: cleared.
     num_cleared_blocks: int = 0
-    num_commits: int = 0
-    num_discards: int = 0
 
 
 class OmniKVCacheManager:
-    """A vLLM ``KVCacheManager`` whose blocks carry stored outputs in a `TensorStore`.
+    """vLLM's ``KVCacheManager``, its hits capped to the rows the worker holds (see the module).
 
-    Drive it as the scheduler drives the manager: ``get_computed_blocks``,
-    ``allocate_slots``, ``free`` (every other attribute is the manager's).
-    After each forward pass, `write_outputs` stores the step's hidden states
-    and per-token multimodal outputs in the request's blocks and
-    `read_merged` returns, per request, its hit's stored rows followed by the
-    step's rows.
+    The scheduler drives it as it drives the manager (``get_computed_blocks``,
+    ``allocate_slots``, ``free``; every other attribute is the manager's).
+    Until a `StoreMirror` follows it, it caps nothing: it only records each
+    request's blocks and sees every reuse.
 
     Args:
         manager: the vLLM manager, with prefix caching enabled.
-        store: a store with the manager's number of blocks and block size.
         kv_cache_group_id: the full-attention KV cache group whose block ids
-            index the store (None: the first one).
-        require_stored_outputs: cap each prefix hit to the leading blocks
-            whose outputs the store holds for every registered entry, so that
-            a hit always comes with its rows (the rest is recomputed). Free
-            blocks found without their outputs lose their key in vLLM, so the
-            copies computed instead are found next time. Register entries
-            before serving: a new entry is missing from every stored block.
+            the rows follow (None: the first one).
 
     Raises:
-        TypeError, ValueError: a manager or store that does not fit.
+        TypeError, ValueError: a manager that does not fit.
     """
 
-    __slots__ = (
-        "_aborted_statuses",
-        "_block_size",
-        "_group",
-        "_hook",
-        "_listeners",
-        "_manager",
-        "_requests",
-        "_require_stored",
-        "_stats",
-        "_store",
-    )
+    __slots__ = ("_group", "_hook", "_manager", "_mirror", "_requests", "_stats")
 
-    def __init__(
-        self,
-        manager: KVCacheManager,
-        store: TensorStore,
-        *,
-        kv_cache_group_id: int | None = None,
-        require_stored_outputs: bool = True,
-    ) -> None:
+    def __init__(self, manager: KVCacheManager, *, kv_cache_group_id: int | None = None) -> None:
         require_vllm()
         from vllm.v1.core.kv_cache_manager import KVCacheManager
-        from vllm.v1.request import RequestStatus
 
         if not isinstance(manager, KVCacheManager):
             raise TypeError(f"manager: expected a KVCacheManager, found {type_name(manager)}")
-        if not isinstance(store, TensorStore):
-            raise TypeError(f"store: expected a TensorStore, found {type_name(store)}")
         if not manager.enable_caching:
             raise ValueError("manager: expected enable_caching=True, found False")
-        group = store_group(manager, kv_cache_group_id)
         pool = manager.block_pool
-        if group.block_size != store.block_size:
-            raise ValueError(
-                f"store: expected block_size {group.block_size} (vLLM's block size in KV cache "
-                f"group {group.group_id}, hash block size {pool.hash_block_size}), found "
-                f"{store.block_size}"
-            )
-        if pool.num_gpu_blocks != store.num_blocks:
-            raise ValueError(
-                f"store: expected {pool.num_gpu_blocks} blocks (vLLM's, null block 0 included), "
-                f"found {store.num_blocks}"
-            )
         if isinstance(pool.metrics_collector, ReuseHook):
             raise ValueError("manager: expected a manager not wrapped yet, found one wrapped")
-        check_bool("require_stored_outputs", require_stored_outputs)
         self._manager = manager
-        self._store = store
-        self._group = group
-        self._block_size = store.block_size
-        self._require_stored = require_stored_outputs
+        self._group = store_group(manager, kv_cache_group_id)
         self._requests: dict[str, RequestState] = {}
-        self._listeners: list[StepListener] = []
+        self._mirror: StoreMirror | None = None
         self._stats = OmniStats()
-        self._aborted_statuses = frozenset(
-            (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
-        )
         # NOTE: stamps can be trusted only while every reuse passes through
         # this hook; from here on vLLM cannot hand out a block unseen.
         self._hook = ReuseHook(pool.metrics_collector, self._on_block_reused, self._on_reset)
@@ -223,8 +587,8 @@ class OmniKVCacheManager:
 
     def __repr__(self) -> str:
         return (
-            f"OmniKVCacheManager(num_blocks={self._store.num_blocks}, "
-            f"block_size={self._block_size}, num_requests={len(self._requests)})"
+            f"OmniKVCacheManager(num_blocks={self._manager.block_pool.num_gpu_blocks}, "
+            f"block_size={self._group.block_size}, num_requests={len(self._requests)})"
         )
 
     @property
@@ -232,16 +596,17 @@ class OmniKVCacheManager:
         return self._manager
 
     @property
+    def group(self) -> StoreGroup:
+        """The KV cache group whose block ids the rows follow."""
+        return self._group
+
+    @property
     def stats(self) -> OmniStats:
         """A snapshot of the counters."""
         return replace(self._stats)
 
-    @property
-    def store(self) -> TensorStore:
-        return self._store
-
     def detach(self) -> None:
-        """Gives the manager its own metrics collector back and forgets the store's stamps.
+        """Gives the manager its own metrics collector back and forgets what the worker holds.
 
         NOTE: once detached, reuses are no longer seen, so no stamp can be
         trusted: all are cleared.
@@ -252,29 +617,19 @@ class OmniKVCacheManager:
                 "manager: expected this wrapper's collector installed, found another"
             )
         pool.metrics_collector = self._hook.inner
-        self._store.invalidate_all()
+        self._on_reset()
         self._requests.clear()
-
-    def add_listener(self, listener: StepListener) -> None:
-        """Tells ``listener`` of every allocation and every cleared block from now on."""
-        self._listeners.append(listener)
 
     # -- vLLM's hooks -------------------------------------------------------------
 
     def _on_block_reused(self, block: Any) -> None:
-        key = block.block_hash
-        self._store.on_block_evicted(
-            block.block_id,
-            BlockHash(b"" if key is None else bytes(key[:-_GROUP_ID_BYTES])),
-        )
         self._stats.num_cleared_blocks += 1
-        for listener in self._listeners:
-            listener.on_cleared(block.block_id)
+        if self._mirror is not None:
+            self._mirror.on_cleared(block.block_id)
 
     def _on_reset(self) -> None:
-        self._store.invalidate_all()
-        for listener in self._listeners:
-            listener.on_cleared(None)
+        if self._mirror is not None:
+            self._mirror.on_cleared(None)
 
     # -- the manager's interface -----------------------------------------------------
 
@@ -285,7 +640,7 @@ class OmniKVCacheManager:
     def get_computed_blocks(
         self, request: Request, *args: Any, **kwargs: Any
     ) -> tuple[KVCacheBlocks, int, int]:
-        """vLLM's lookup, capped to the blocks whose outputs are stored (see the class)."""
+        """vLLM's lookup, capped to the blocks whose rows the worker holds (see the module)."""
         blocks, num_hit, boundary = self._manager.get_computed_blocks(request, *args, **kwargs)
         capped = self._cap_hit(request, blocks, num_hit)
         return (blocks, num_hit, boundary) if capped is None else capped
@@ -308,10 +663,10 @@ class OmniKVCacheManager:
         self, request: Request, blocks: Any, num_hit: int
     ) -> tuple[KVCacheBlocks, int, int] | None:
         self._stats.num_lookups += 1
-        if num_hit == 0 or not self._require_stored or not self._store.entries:
+        if num_hit == 0 or self._mirror is None:
             return None
         capped, num_capped = cap_hit(
-            self._manager, self._store, self._group, request, blocks, num_hit
+            self._manager, self._mirror.table, self._group, request, blocks, num_hit
         )
         self._stats.num_capped_blocks += num_capped
         return capped
@@ -327,8 +682,8 @@ class OmniKVCacheManager:
     ) -> KVCacheBlocks | None:
         """vLLM's allocation; records the request's blocks and the hit it adopts.
 
-        The keys of the request's blocks in the store group (``request.block_hashes``
-        at that group's block size) stamp the rows `write_outputs` writes.
+        The keys of the request's blocks in the rows' group (``request.block_hashes``
+        at that group's block size) stamp the rows the step writes.
         """
         new_blocks = self._manager.allocate_slots(
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, *args, **kwargs
@@ -347,198 +702,289 @@ class OmniKVCacheManager:
                 self._requests[request_id] = state
             else:
                 state.blocks = table
+        block_size = self._group.block_size
         if (
             num_new_computed_tokens > 0
             and new_computed_blocks is not None
             and request.num_computed_tokens == 0
         ):
-            num_blocks = num_new_computed_tokens // self._block_size
+            num_blocks = num_new_computed_tokens // block_size
             hit = new_computed_blocks.blocks[self._group.group_id][:num_blocks]
             state.hit_block_ids = tuple(block.block_id for block in hit)
             state.hit_block_keys = tuple(state.keys()[:num_blocks])
-            state.num_hit_tokens = num_blocks * self._block_size
+            state.num_hit_tokens = num_blocks * block_size
             self._stats.num_hit_blocks += num_blocks
-        if self._listeners and num_new_tokens > 0:
+        if self._mirror is not None and num_new_tokens > 0:
             # NOTE: a new request's computed tokens are set after allocation.
             start = request.num_computed_tokens + num_new_computed_tokens
             start += kwargs.get("num_external_computed_tokens", 0)
             keys: dict[int, BlockHash] = {}
-            slots = state.slots(start, num_new_tokens, self._block_size, keys, "allocate_slots")
-            for listener in self._listeners:
-                listener.on_allocated(request_id, start, slots, keys)
+            slots = state.slots(start, num_new_tokens, block_size, keys, "allocate_slots")
+            self._mirror.on_allocated(request_id, start, slots, keys)
         return new_blocks
 
     def free(self, request: Request) -> None:
-        """Commits the request's deferred outputs (drops them if it was aborted), then frees.
-
-        Raises:
-            ValueError: the staged rows do not fit the request's blocks; then
-                nothing is committed and nothing is freed.
-        """
-        self._finish(request)
+        """Forgets the request, then frees it as vLLM does."""
+        self._requests.pop(request.request_id, None)
         self._manager.free(request)
 
     def pop_blocks_for_free(self, request: Request) -> list[Any]:
         """As `free`, for a scheduler that returns the blocks to the pool later."""
-        self._finish(request)
+        self._requests.pop(request.request_id, None)
         blocks: list[Any] = self._manager.pop_blocks_for_free(request)
         return blocks
 
-    def _finish(self, request: Request) -> None:
-        request_id = request.request_id
-        state = self._requests.get(request_id)
-        if self._store.has_staged(request_id):
-            if request.status in self._aborted_statuses:
-                self._store.discard(request_id)
-                self._stats.num_discards += 1
-            else:
-                if state is None:
-                    raise RuntimeError(
-                        f"request {request_id!r}: staged outputs but no blocks recorded"
-                    )
-                block_ids = [block.block_id for block in state.blocks]
-                self._store.commit(request_id, block_ids, state.keys()[: len(block_ids)])
-                self._stats.num_commits += 1
-        self._requests.pop(request_id, None)
-
-    # -- outputs ----------------------------------------------------------------------
-
-    def num_hit_tokens(self, request_id: str) -> int:
-        """Tokens of the prefix hit the request adopted (0: none)."""
-        return self._state(request_id, "request_id").num_hit_tokens
+    # -- what the wrapper recorded ---------------------------------------------------
 
     def request_block_ids(self, request_id: str) -> list[int]:
-        """The request's block ids in vLLM's group, first block first."""
-        return [block.block_id for block in self._state(request_id, "request_id").blocks]
+        """The request's block ids in the rows' group, first block first."""
+        return [block.block_id for block in self._state(request_id).blocks]
 
     def hit_blocks(self, request_id: str) -> tuple[tuple[int, ...], tuple[BlockHash, ...]]:
         """The request's hit blocks and their keys, first block first (empty: no hit)."""
-        state = self._state(request_id, "request_id")
+        state = self._state(request_id)
         return state.hit_block_ids, state.hit_block_keys
 
-    def request_block_keys(self, request_id: str) -> dict[int, BlockHash]:
-        """Block id -> key of each of the request's full blocks: the stamps its rows get."""
-        state = self._state(request_id, "request_id")
-        return {block.block_id: key for block, key in zip(state.blocks, state.keys(), strict=False)}
+    def _follow(self, mirror: StoreMirror) -> None:
+        if self._mirror is not None:
+            raise ValueError("manager: expected no mirror yet, found one following it")
+        self._mirror = mirror
 
-    def hit_outputs(
-        self, request_id: str, names: Sequence[str] | None = None
-    ) -> dict[str, torch.Tensor]:
-        """The stored rows of the request's hit blocks, by entry.
-
-        Raises:
-            StaleBlockError: a hit block no longer holds its key (an eviction
-                through ``evict_blocks`` while the request held it).
-        """
-        state = self._state(request_id, "request_id")
-        entries = self._store.entries if names is None else names
-        return {
-            name: self._store.read_blocks(name, state.hit_block_ids, state.hit_block_keys)
-            for name in entries
-        }
-
-    def write_outputs(
-        self,
-        step: Sequence[ScheduledRequest],
-        *,
-        hidden_states: torch.Tensor | None = None,
-        multimodal_outputs: Mapping[str, object] | None = None,
-        num_tokens_padded: int | None = None,
-    ) -> dict[str, WriteResult]:
-        """Stores one step's outputs in the blocks of its requests.
-
-        Each block a write completes is stamped with the request's key for it;
-        rows of deferred entries are staged until the request is freed.
-
-        Args:
-            step: the step's requests in batch order, their hit fields empty.
-            hidden_states: ``(>= total new tokens, hidden)`` rows.
-            multimodal_outputs: per-token outputs by name (see
-                `TensorStore.write_step` for what is cached).
-            num_tokens_padded: rows the model produced, padding included.
-
-        Returns:
-            The result of each entry written directly, by name.
-
-        Raises:
-            ValueError, TypeError, IndexError: bad input (a request given with
-                a hit is a ValueError); nothing is written or staged.
-        """
-        slot_mapping, block_keys, scheduled = self._plan(step, with_hits=False)
-        return self._store.write_step(
-            scheduled,
-            slot_mapping,
-            hidden_states=hidden_states,
-            multimodal_outputs=multimodal_outputs,
-            block_keys=block_keys,
-            num_tokens_padded=num_tokens_padded,
-        )
-
-    def read_merged(
-        self,
-        step: Sequence[ScheduledRequest],
-        *,
-        hidden_states: torch.Tensor | None = None,
-        multimodal_outputs: Mapping[str, object] | None = None,
-        out: Mapping[str, torch.Tensor] | None = None,
-        strict: bool = False,
-    ) -> MergedRead:
-        """Per request, its hit's stored rows followed by the step's rows.
-
-        The step's requests come as in `write_outputs`, their hit fields
-        empty. A request's hit rows are included in the step that starts right
-        after its hit (``num_computed_tokens == num_hit_tokens``); other steps
-        get their own rows. See `TensorStore.read_merged` for ``out`` and
-        ``strict``; a hit block that no longer holds its key makes the request
-        a miss, never a stale read.
-        """
-        _, _, scheduled = self._plan(step, with_hits=True)
-        return self._store.read_merged(
-            scheduled,
-            hidden_states=hidden_states,
-            multimodal_outputs=multimodal_outputs,
-            out=out,
-            strict=strict,
-        )
-
-    def _state(self, request_id: str, what: str) -> RequestState:
+    def _state(self, request_id: str) -> RequestState:
         state = self._requests.get(request_id)
         if state is None:
             raise ValueError(
-                f"{what}: expected a request with allocated blocks, found {request_id!r} "
+                f"request_id: expected a request with allocated blocks, found {request_id!r} "
                 f"({len(self._requests)} requests allocated)"
             )
         return state
 
-    def _plan(
-        self, step: Sequence[ScheduledRequest], *, with_hits: bool
-    ) -> tuple[npt.NDArray[np.int64], dict[int, BlockHash], list[ScheduledRequest]]:
-        """Slots of the step's rows, the keys of the blocks they touch, and the store's view."""
-        parts: list[npt.NDArray[np.int64]] = []
+
+# -- the mirror and the plan ----------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Allocation:
+    """Slots vLLM gave a request in the step being scheduled."""
+
+    start: int
+    num_new: int
+    block_ids: tuple[int, ...]
+    block_keys: dict[int, BlockHash]
+
+
+class StoreMirror:
+    """Mirrors the worker's stamps in ``manager``'s store and plans each step.
+
+    Keeps the `WorkerTable` (from then on the manager caps hits to it) and
+    hears the manager's allocations and reuses. It is the connector's
+    scheduler side (`plan.SchedulerSide`): the step's plan, and with a tier
+    (``reader``) the tier's hooks.
+
+    Args:
+        manager: the wrapped manager the scheduler stands on.
+        reader: the tier's reader (None: no tier, no external tokens).
+    """
+
+    def __init__(self, manager: OmniKVCacheManager, reader: TierReader | None = None) -> None:
+        if not isinstance(manager, OmniKVCacheManager):
+            raise TypeError(
+                f"manager: expected an OmniKVCacheManager, found {type(manager).__name__}"
+            )
+        self._manager = manager
+        self._reader = reader
+        self._block_size = manager.group.block_size
+        self.table = WorkerTable(manager.block_pool.num_gpu_blocks, self._block_size)
+        self._allocated: dict[str, _Allocation] = {}
+        # Request id -> what the step loads for it from a tier.
+        self._loaded: dict[str, LoadOrder] = {}
+        self._cleared: dict[int, None] = {}
+        self._reset = False
+        # Per request, (first block, keys, values) of its last tier lookup,
+        # and the external tokens of its first admission.
+        self._lookups: dict[str, tuple[int, list[BlockHash], list[tuple[bytes, ...]]]] = {}
+        self._external: dict[str, int] = {}
+        manager._follow(self)
+
+    # -- the connector's scheduler side ---------------------------------------------------
+
+    def step_plan(self, scheduler_output: Any) -> StepPlan:
+        """The plan of the step ``scheduler_output`` describes (see `plan`)."""
+        return self.plan(
+            scheduled(scheduler_output),
+            prompt_requests(scheduler_output),
+            sorted(scheduler_output.finished_req_ids),
+        )
+
+    def num_external_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """The further full blocks of the key chain the tier holds whole, fetched and verified.
+
+        Never the prompt's last token: vLLM must compute one.
+        """
+        if self._reader is None:
+            return 0
+        size = self._block_size
+        first = num_computed_tokens // size
+        last = (request.num_tokens - 1) // size
+        keys = list(request.block_hashes[first:last])
+        values = self._reader.fetch(keys)
+        self._lookups[request.request_id] = (first, keys[: len(values)], values)
+        return len(values) * size
+
+    def on_external_allocated(
+        self, request: Any, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        """Stamps the blocks vLLM gave a request's external tokens (`on_loaded`)."""
+        lookup = self._lookups.pop(request.request_id, None)
+        self._external.setdefault(request.request_id, num_external_tokens)
+        if num_external_tokens == 0:
+            return
+        size = self._block_size
+        if (
+            lookup is None
+            or num_external_tokens % size
+            or num_external_tokens // size > len(lookup[1])
+        ):
+            raise RuntimeError(
+                f"request {request.request_id}: expected at most "
+                f"{0 if lookup is None else len(lookup[1]) * size} external tokens in whole "
+                f"blocks (its lookup), found {num_external_tokens}"
+            )
+        first, keys, values = lookup
+        num = num_external_tokens // size
+        self.on_loaded(request.request_id, block_ids[first : first + num], keys[:num], values[:num])
+
+    def on_load_errors(self, block_ids: Sequence[int]) -> None:
+        self.on_load_failed(block_ids)
+
+    def finished(self, request: Any) -> dict[str, Any]:
+        """``{"omnicache_external_tokens": n}`` with a tier: its first admission's loaded tokens."""
+        self._lookups.pop(request.request_id, None)
+        external = self._external.pop(request.request_id, 0)
+        return {} if self._reader is None else {EXTERNAL_TOKENS_PARAM: external}
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+
+    # -- what the manager tells it ---------------------------------------------------
+
+    def on_allocated(
+        self,
+        request_id: str,
+        start: int,
+        slots: npt.NDArray[np.int64],
+        block_keys: dict[int, BlockHash],
+    ) -> None:
+        """The request was given slots for its tokens ``start ..``, which the step computes."""
+        self.table.write(slots, block_keys)
+        block_ids = block_ids_of(slots, self._block_size)
+        prior = self._allocated.get(request_id)
+        if prior is not None:
+            # NOTE: two allocations in one step cannot both be the step's
+            # rows: start -1 never matches, so both are undone at planning.
+            block_ids = prior.block_ids + block_ids
+            start = -1
+        self._allocated[request_id] = _Allocation(start, len(slots), block_ids, block_keys)
+
+    def on_cleared(self, block_id: int | None) -> None:
+        """vLLM handed ``block_id`` out again or dropped its key (None: every block)."""
+        if block_id is None:
+            self.table.clear_all()
+            self._reset = True
+            self._cleared.clear()
+        else:
+            self.table.clear((block_id,))
+            self._cleared[block_id] = None
+
+    def on_loaded(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        block_keys: Sequence[BlockHash],
+        values: Sequence[tuple[bytes, ...]],
+    ) -> None:
+        """Stamps blocks the worker will load from a tier in this step (see the module).
+
+        ``values``: per block, its tier values, which the plan carries to the worker.
+        """
+        if not len(block_ids) == len(block_keys) == len(values):
+            raise ValueError(
+                f"block_keys, values: expected {len(block_ids)} of each (one per block), "
+                f"found {len(block_keys)} and {len(values)}"
+            )
+        self.table.stamp_blocks(block_ids, block_keys)
+        self._loaded[request_id] = LoadOrder(
+            request_id, tuple(block_ids), tuple(block_keys), tuple(values)
+        )
+
+    def on_load_failed(self, block_ids: Iterable[int]) -> None:
+        """Clears the stamps of blocks whose load (or computation over it) failed."""
+        ids = list(dict.fromkeys(block_ids))
+        if not ids:
+            return
+        self.table.clear(ids)
+        for block_id in ids:
+            self._cleared[block_id] = None
+
+    # -- planning -------------------------------------------------------------------
+
+    def plan(
+        self,
+        scheduled: Iterable[tuple[str, int, int]],
+        prompt_requests: Mapping[str, int],
+        finished_req_ids: Iterable[str],
+    ) -> StepPlan:
+        """The step's plan, from its ``(request id, start, num_new)`` as vLLM scheduled them.
+
+        Allocations that do not match what was scheduled are undone: their
+        blocks lose their stamps here, and in the worker's store after the
+        step's writes.
+        """
+        requests: list[PlannedRequest] = []
+        loads: list[LoadOrder] = []
         block_keys: dict[int, BlockHash] = {}
-        scheduled: list[ScheduledRequest] = []
-        seen: set[str] = set()
-        for index, item in enumerate(step):
-            where = f"step[{index}]"
-            if not isinstance(item, ScheduledRequest):
-                raise TypeError(f"{where}: expected ScheduledRequest, found {type_name(item)}")
-            check_str(f"{where}.req_id", item.req_id)
-            state = self._state(item.req_id, f"{where}.req_id")
-            if item.req_id in seen:
-                raise ValueError(f"{where}: request {item.req_id!r} listed twice")
-            seen.add(item.req_id)
-            num_new = check_int(f"{where}.num_new_tokens", item.num_new_tokens, minimum=0)
-            start = check_int(f"{where}.num_computed_tokens", item.num_computed_tokens, minimum=0)
-            check_no_hit(item, where)
-            if num_new:
-                parts.append(state.slots(start, num_new, self._block_size, block_keys, where))
-            if with_hits and state.num_hit_tokens and start == state.num_hit_tokens:
-                scheduled.append(
-                    item._replace(
-                        hit_block_ids=state.hit_block_ids, hit_block_keys=state.hit_block_keys
-                    )
-                )
-            else:
-                scheduled.append(item)
-        slots = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        return slots, block_keys, scheduled
+        undone: dict[int, None] = {}
+        for req_id, start, num_new in scheduled:
+            allocation = self._allocated.pop(req_id, None)
+            load = self._loaded.pop(req_id, None)
+            if load is not None:
+                # NOTE: a scheduled request's external tokens count as
+                # computed in vLLM: their KV is loaded whatever the rows' plan.
+                loads.append(load)
+            if allocation is None or (allocation.start, allocation.num_new) != (start, num_new):
+                if allocation is not None:
+                    undone.update(dict.fromkeys(allocation.block_ids))
+                requests.append(PlannedRequest(req_id, start, num_new))
+                continue
+            hit_ids, hit_keys = self._manager.hit_blocks(req_id)
+            if load is not None:
+                hit_ids, hit_keys = hit_ids + load.block_ids, hit_keys + load.block_keys
+            if start != len(hit_ids) * self._block_size:
+                hit_ids, hit_keys = (), ()
+            requests.append(
+                PlannedRequest(req_id, start, num_new, allocation.block_ids, hit_ids, hit_keys)
+            )
+            block_keys.update(allocation.block_keys)
+        for allocation in self._allocated.values():
+            undone.update(dict.fromkeys(allocation.block_ids))
+        for unscheduled in self._loaded.values():
+            undone.update(dict.fromkeys(unscheduled.block_ids))
+        if undone:
+            self.table.clear(undone)
+        plan = StepPlan(
+            caching=True,
+            requests=tuple(requests),
+            block_keys=block_keys,
+            prompt_requests=dict(prompt_requests),
+            cleared_block_ids=tuple(self._cleared),
+            reset=self._reset,
+            invalidated_block_ids=tuple(undone),
+            finished_req_ids=tuple(finished_req_ids),
+            loads=tuple(loads),
+        )
+        self._allocated.clear()
+        self._loaded.clear()
+        self._cleared.clear()
+        self._reset = False
+        return plan

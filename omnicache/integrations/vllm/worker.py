@@ -1,61 +1,102 @@
-"""`OmniCPUWorker`: vLLM's CPU worker with a store of the model's hidden states.
+"""omnicache's worker: vLLM's worker with a store of the model's hidden states.
 
-Named as vLLM's ``worker_cls`` (``LLM(..., worker_cls=WORKER_CLS)``,
-``--worker-cls`` on the server), it is built inside the process that runs the
-model (vLLM's worker process by default; the engine's own process with
+`OmniWorkerMixin` goes over vLLM's ``Worker`` and everything it adds lives on
+``Worker``'s interface: `OmniCPUWorker` (vLLM's ``CPUWorker``) and
+`OmniGPUWorker` (vLLM's GPU ``Worker``) are the mixin over each. Named as
+vLLM's ``worker_cls`` (``LLM(..., worker_cls=WORKER_CLS)``, ``--worker-cls``
+on the server), the worker is built inside the process that runs the model
+(vLLM's worker process by default; the engine's own process with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). It needs the `OmniStoreConnector`
-(``kv_transfer_config``), whose per-step `StepPlan` it applies, and, with
-prefix caching on, the `OmniScheduler`.
+(``kv_transfer_config``), which carries each step's `StepPlan` to it, and,
+with prefix caching on, the `OmniScheduler`.
 
-- After the model loads, a forward hook on the model takes each step's
-  output: the final hidden states, before the LM head, one row per
-  scheduled token (padding after them), with the forward context's slot
-  mapping of the KV cache group (the slots the attention layers wrote the
-  step's keys and values to: ``block_id * block_size + offset``) and the
-  model runner's batch order. The hook is armed only inside
-  ``execute_model``, so warm-up and profiling runs are ignored.
+- After the model loads, the model runner's ``_model_forward`` (vLLM's
+  override point for the forward pass, which calls the model however it is
+  wrapped, CUDA graphs included) is wrapped to keep each step's output: the
+  final hidden states, before the LM head, one row per scheduled token
+  (padding after them), with the forward context's slot mapping of the KV
+  cache group (the slots the attention layers wrote the step's keys and
+  values to: ``block_id * block_size + offset``) and the model runner's
+  batch order. It keeps them only inside ``execute_model``, so warm-up and
+  profiling runs are ignored.
 - Once the KV cache is allocated, a `TensorStore` with the KV cache's
   blocks and block size holds a `HIDDEN_STATES` entry of the model's dtype
-  on the CPU (its size: KV blocks x block size x hidden size values).
-- After each step, `LiveStore.apply` writes the rows, verifies the step's
-  hits and gathers the prompt rows of requests that asked.
-- With a tier (see the connector), the connector's worker side is given the
-  store; it fills blocks from the tier before the forward pass, and after
-  `LiveStore.apply` the worker saves every block the step stamped (KV of
-  every layer and hidden rows) to the tier. ``collective_rpc(FLUSH_METHOD)``
-  waits until they are written.
+  on the CPU (its size: KV blocks x block size x hidden size values), kept
+  by a `LiveStore`, the worker side the connector hands each step's plan to.
+- Before the forward pass (the connector's ``start_load_kv``),
+  `LiveStore.start_step` clears the stamps of blocks vLLM handed out again
+  and, with a tier, fills blocks from it; after the step, `LiveStore.apply`
+  writes the rows, verifies the step's hits, gathers the prompt rows of
+  requests that asked and saves every block the step stamped to the tier.
+  ``collective_rpc(FLUSH_METHOD)`` waits until they are written.
+
+How `LiveStore` applies a step's plan, in the plan's order:
+
+1. ``reset`` and ``cleared_block_ids``: stamps of blocks vLLM handed out again;
+2. ``loads``: blocks filled from the tier (KV and rows, stamped); a request
+   whose load failed was computed over KV that is not its own: its rows
+   stamp nothing and feed no prompt result, and its hit is not verified
+   (vLLM recomputes it from the failed block on);
+3. the step's rows, written at the forward pass's own slot mapping (the KV
+   cache's slots), stamped with the plan's keys when the slots are those the
+   scheduler planned (otherwise written without keys: nothing stamped);
+4. ``invalidated_block_ids``;
+5. every prefix hit that starts in this step is *verified*: a hit block not
+   stamped with its key counts as stale (`LiveStoreStats.num_stale_hit_blocks`)
+   and is never served; requests that asked for their prompt's hidden states
+   get the hit blocks' rows from the store and the rest from the step's rows
+   (`TensorStore.read_merged`).
+
+Writes come before reads because vLLM caches a block as soon as it is
+allocated: a request scheduled in the same step as the one computing a block
+can hit it, and its rows exist once the step's rows are written.
 
 Results are taken with ``LLM.collective_rpc(TAKE_METHOD, args=(ids,))``, or
 `take_prompt_hidden_states` (the ids are those of ``kv_transfer_params``,
 see the connector). At most ``max_prompt_results`` (``kv_connector_extra_config``,
-default 256) untaken results are kept; the oldest goes first.
+default 256) untaken results are kept; the oldest untaken one goes first
+(``num_results_dropped``); a request that finishes before all its prompt
+positions were seen is dropped (``num_incomplete_dropped``). A request whose
+hit could not be read has a result of None (``num_prompt_failures``).
 
-Supported: vLLM 0.32's CPU worker with its V1 model runner (the default on
-CPU; vLLM's V2 model runner orders its batch elsewhere and is refused), one
-full-attention KV cache group, no speculative decoding. Tensor-parallel
-ranks each keep a full copy of the store (the final hidden states are
-replicated on every rank), and results are taken from the first; with a
-tier, and under pipeline parallelism, the connector refuses to start.
+Supported: vLLM's V1 model runner (the default; the V2 model runner orders
+its batch elsewhere and is refused), one full-attention KV cache group, no
+speculative decoding. Tensor-parallel ranks each keep a full copy of the
+store (the final hidden states are replicated on every rank), and results
+are taken from the first; with a tier, and under pipeline parallelism, the
+connector refuses to start. `OmniCPUWorker` runs in the live tests;
+`OmniGPUWorker` shares every line but its base and has not run on a GPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import asdict
-from typing import Any
+import importlib
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
-from omnicache.checks import type_name
-from omnicache.integrations.vllm.common import CONNECTOR_NAME, WORKER_CLS, vllm_series
-from omnicache.integrations.vllm.connector import (
-    REQUEST_ID_PARAM,
-    OmniStepMetadata,
-    OmniStoreConnector,
+from omnicache.block_hash import BlockHash
+from omnicache.checks import check_int, check_str, type_name
+from omnicache.integrations.vllm.common import (
+    CONNECTOR_NAME,
+    GPU_WORKER_CLS,
+    WORKER_CLS,
+    vllm_series,
 )
-from omnicache.integrations.vllm.kv_tier import WorkerTier
-from omnicache.integrations.vllm.live_store import LiveStore
-from omnicache.store import TensorStore
+from omnicache.integrations.vllm.connector import OmniStepMetadata, OmniStoreConnector
+from omnicache.integrations.vllm.plan import (
+    REQUEST_ID_PARAM,
+    PlannedRequest,
+    StepPlan,
+    planned_slots,
+)
+from omnicache.integrations.vllm.tier import WorkerTier
+from omnicache.store import HIDDEN_STATES, ScheduledRequest, TensorStore
 
 vllm_series()  # vLLM imports this module by name: fail here, with the install hint.
 
@@ -64,15 +105,23 @@ from vllm.distributed.kv_transfer import (  # noqa: E402
     has_kv_transfer_group,
 )
 from vllm.forward_context import get_forward_context  # noqa: E402
-from vllm.v1.worker.cpu_worker import CPUWorker  # noqa: E402
+
+if TYPE_CHECKING:
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
 
 __all__ = [
     "DEFAULT_MAX_PROMPT_RESULTS",
     "FLUSH_METHOD",
+    "GPU_WORKER_CLS",
     "STATS_METHOD",
     "TAKE_METHOD",
     "WORKER_CLS",
+    "LiveStore",
+    "LiveStoreStats",
     "OmniCPUWorker",
+    "OmniGPUWorker",
+    "OmniWorkerMixin",
     "decode_rows",
     "encode_rows",
     "take_prompt_hidden_states",
@@ -83,19 +132,352 @@ STATS_METHOD = "omni_live_store_stats"
 FLUSH_METHOD = "omni_tier_flush"
 DEFAULT_MAX_PROMPT_RESULTS = 256
 
+_LOG = logging.getLogger(__name__)
+
+
+# -- the store of a step's plans ------------------------------------------------------
+
+
+@dataclass(slots=True)
+class LiveStoreStats:
+    """Counters of a `LiveStore` since construction (``num_pending_results``: now)."""
+
+    num_steps: int = 0
+    # Blocks whose stamps the plans cleared (vLLM handed them out again).
+    num_cleared_blocks: int = 0
+    num_rows_written: int = 0
+    # Prefix hits verified, and their blocks.
+    num_hit_requests: int = 0
+    num_hit_blocks: int = 0
+    # Hit blocks whose rows did not hold their key: never served.
+    num_stale_hit_blocks: int = 0
+    # Steps whose slot mapping differed from the scheduler's plan.
+    num_slot_mismatches: int = 0
+    # Requests whose rows were dropped: their tier load failed.
+    num_failed_load_requests: int = 0
+    num_prompt_results: int = 0
+    num_prompt_failures: int = 0
+    num_results_dropped: int = 0
+    num_incomplete_dropped: int = 0
+    num_pending_results: int = 0
+
+
+@dataclass(slots=True)
+class _Prompt:
+    """The prompt rows of one request, gathered chunk by chunk."""
+
+    num_tokens: int
+    # (first position, rows), in position order.
+    chunks: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+    def add(self, start: int, rows: torch.Tensor) -> torch.Tensor | None:
+        """Adds rows from position ``start``; returns the whole prompt once complete.
+
+        A chunk replaces every chunk from its start on: a request recomputed
+        after preemption starts over.
+        """
+        self.chunks = [chunk for chunk in self.chunks if chunk[0] < start]
+        self.chunks.append((start, rows[: self.num_tokens - start]))
+        position = 0
+        for first, part in self.chunks:
+            if first != position:
+                return None
+            position += len(part)
+        if position < self.num_tokens:
+            return None
+        return torch.cat([part for _, part in self.chunks])
+
+
+class LiveStore:
+    """A worker's store of hidden states, kept in step with the scheduler's plans.
+
+    The connector's worker side (`plan.WorkerSide`): `start_step` before the
+    forward pass, then `apply` after it (see the module for the order).
+
+    Args:
+        store: a store with the KV cache's number of blocks and block size,
+            and a `HIDDEN_STATES` entry.
+        max_results: prompt results kept until taken.
+        tier: the tier blocks are loaded from and saved to (None: none).
+    """
+
+    def __init__(
+        self, store: TensorStore, *, max_results: int, tier: WorkerTier | None = None
+    ) -> None:
+        if not isinstance(store, TensorStore):
+            raise TypeError(f"store: expected a TensorStore, found {type_name(store)}")
+        if HIDDEN_STATES not in store.entries:
+            raise ValueError(
+                f"store: expected an entry {HIDDEN_STATES!r}, found {sorted(store.entries)}"
+            )
+        self.store = store
+        self.tier = tier
+        self.max_results = check_int("max_results", max_results, minimum=1)
+        self._prompts: dict[str, _Prompt] = {}
+        self._results: OrderedDict[str, torch.Tensor | None] = OrderedDict()
+        self._stats = LiveStoreStats()
+        self._begun: StepPlan | None = None
+        self._failed: set[str] = set()
+
+    @property
+    def stats(self) -> LiveStoreStats:
+        """A snapshot of the counters."""
+        return replace(self._stats, num_pending_results=len(self._results))
+
+    def begin(self, plan: StepPlan) -> None:
+        """Applies the start of a step's plan: cleared stamps, new prompt requests (once)."""
+        if self._begun is plan:
+            return
+        self._begun = plan
+        self._failed.clear()
+        store = self.store
+        if plan.reset:
+            store.invalidate_all()
+        if plan.cleared_block_ids:
+            store.invalidate(plan.cleared_block_ids)
+            self._stats.num_cleared_blocks += len(plan.cleared_block_ids)
+        for req_id, num_tokens in plan.prompt_requests.items():
+            self._prompts[req_id] = _Prompt(num_tokens)
+
+    def fail_loads(self, req_ids: Iterable[str]) -> None:
+        """Marks requests of the begun step whose tier load failed (see the module)."""
+        self._failed.update(req_ids)
+
+    def start_step(self, plan: StepPlan) -> set[int]:
+        """Before the forward pass: `begin`, then the plan's tier loads.
+
+        Returns:
+            The blocks vLLM must take as not loaded: those of each load that
+            failed and those the step computes for its request (vLLM then
+            recomputes the request under ``kv_load_failure_policy="recompute"``).
+        """
+        # NOTE: cleared stamps first: a block handed out again and filled now
+        # must keep the stamp its load gives it.
+        self.begin(plan)
+        if not plan.loads:
+            return set()
+        if self.tier is None:
+            raise RuntimeError(
+                f"{CONNECTOR_NAME}: a step orders tier loads, found no tier in the worker"
+            )
+        by_id = {item.req_id: item for item in plan.requests}
+        failed: list[str] = []
+        errors: set[int] = set()
+        for order in plan.loads:
+            if self.tier.load(self.store, order):
+                continue
+            failed.append(order.req_id)
+            errors.update(order.block_ids)
+            item = by_id.get(order.req_id)
+            if item is not None:
+                errors.update(item.block_ids)
+        if failed:
+            self.fail_loads(failed)
+            _LOG.warning(
+                "tier: %d load(s) not served whole (requests %s); vLLM recomputes them",
+                len(failed),
+                failed,
+            )
+        return errors
+
+    def close(self) -> None:
+        if self.tier is not None:
+            self.tier.close()
+
+    def apply(
+        self,
+        plan: StepPlan,
+        batch_order: Sequence[str] = (),
+        hidden_states: torch.Tensor | None = None,
+        slot_mapping: torch.Tensor | None = None,
+    ) -> dict[int, BlockHash]:
+        """Applies one step: its plan, and the rows the model produced for it.
+
+        Args:
+            plan: the scheduler's plan of the step.
+            batch_order: the step's request ids in the order of the rows.
+            hidden_states: ``(>= num scheduled tokens, hidden)`` rows (None:
+                no forward pass this step).
+            slot_mapping: the forward pass's slot of each row (padding after
+                the scheduled tokens).
+
+        Returns:
+            Block id -> key of the blocks the step's rows stamped (saved to
+            the tier, with one).
+
+        Raises:
+            RuntimeError: the rows' requests are not the plan's.
+        """
+        store = self.store
+        self._stats.num_steps += 1
+        self.begin(plan)
+        failed, self._failed = set(self._failed), set()
+        self._begun = None
+        self._stats.num_failed_load_requests += len(failed)
+        batch: list[PlannedRequest] = []
+        stamped: dict[int, BlockHash] = {}
+        if hidden_states is not None and plan.requests:
+            batch = self._batch(plan, batch_order)
+            stamped = self._write(plan, batch, hidden_states, slot_mapping, failed)
+        if plan.invalidated_block_ids:
+            store.invalidate(plan.invalidated_block_ids)
+            for block_id in plan.invalidated_block_ids:
+                stamped.pop(block_id, None)
+        if batch and hidden_states is not None:
+            self._read(batch, hidden_states, failed)
+        for req_id in plan.finished_req_ids:
+            if self._prompts.pop(req_id, None) is not None:
+                self._stats.num_incomplete_dropped += 1
+        if self.tier is not None:
+            self.tier.save(store, stamped)
+        return stamped
+
+    def take(self, request_ids: Iterable[str]) -> dict[str, torch.Tensor | None]:
+        """Removes and returns the prompt results of the requests that have one.
+
+        Returns:
+            Request id -> ``(num_prompt_tokens, hidden)`` rows, or None when
+            its hit could not be read (stale); ids without a result are left
+            out.
+        """
+        found: dict[str, torch.Tensor | None] = {}
+        for index, req_id in enumerate(request_ids):
+            check_str(f"request_ids[{index}]", req_id)
+            if req_id in self._results:
+                found[req_id] = self._results.pop(req_id)
+        return found
+
+    def _batch(self, plan: StepPlan, batch_order: Sequence[str]) -> list[PlannedRequest]:
+        by_id = {item.req_id: item for item in plan.requests}
+        if sorted(batch_order) != sorted(by_id):
+            raise RuntimeError(
+                f"step: expected rows of the planned requests {sorted(by_id)}, found rows of "
+                f"{sorted(batch_order)}"
+            )
+        return [by_id[req_id] for req_id in batch_order]
+
+    def _write(
+        self,
+        plan: StepPlan,
+        batch: list[PlannedRequest],
+        hidden_states: torch.Tensor,
+        slot_mapping: torch.Tensor | None,
+        failed: set[str],
+    ) -> dict[int, BlockHash]:
+        if not plan.caching:
+            return {}
+        if slot_mapping is None:
+            raise RuntimeError("step: expected the forward pass's slot mapping, found none")
+        num_rows = sum(item.num_new for item in batch)
+        slots = slot_mapping[:num_rows].to("cpu", torch.int64).numpy()
+        planned = planned_slots(batch, self.store.block_size)
+        keys = dict(plan.block_keys)
+        for item in batch:
+            if item.req_id in failed:
+                # NOTE: rows computed over KV that did not load: never stamped.
+                for block_id in item.block_ids:
+                    keys.pop(block_id, None)
+        if planned is None or not np.array_equal(planned, slots):
+            # NOTE: rows written without keys clear the stamps of every block
+            # they touch: the scheduler's mirror may then promise a hit the
+            # worker cannot serve, which the read check counts.
+            self._stats.num_slot_mismatches += 1
+            keys = {}
+        result = self.store.write(
+            HIDDEN_STATES, hidden_states, slots, block_keys=keys, num_tokens=num_rows
+        )
+        self._stats.num_rows_written += num_rows
+        return {block_id: keys[block_id] for block_id in result.stamped_block_ids}
+
+    def _read(
+        self, batch: list[PlannedRequest], hidden_states: torch.Tensor, failed: set[str]
+    ) -> None:
+        offset = 0
+        for item in batch:
+            rows = hidden_states[offset : offset + item.num_new]
+            offset += item.num_new
+            if item.req_id in failed:
+                continue
+            if item.hit_block_ids:
+                self._stats.num_hit_requests += 1
+                self._stats.num_hit_blocks += len(item.hit_block_ids)
+                valid = self.store.probe(item.hit_block_ids, item.hit_block_keys)
+                self._stats.num_stale_hit_blocks += len(item.hit_block_ids) - valid
+            prompt = self._prompts.get(item.req_id)
+            if prompt is None or item.start >= prompt.num_tokens:
+                continue
+            start, part = item.start, rows.clone()
+            if item.hit_block_ids:
+                merged = self.store.read_merged(
+                    [
+                        ScheduledRequest(
+                            item.req_id,
+                            item.num_new,
+                            item.start,
+                            item.hit_block_ids,
+                            item.hit_block_keys,
+                        )
+                    ],
+                    hidden_states=rows,
+                )
+                if merged.misses:
+                    self._finish(item.req_id, None)
+                    continue
+                start, part = 0, merged.hidden_states[item.req_id]
+            whole = prompt.add(start, part)
+            if whole is not None:
+                self._finish(item.req_id, whole)
+
+    def _finish(self, req_id: str, rows: torch.Tensor | None) -> None:
+        del self._prompts[req_id]
+        if rows is None:
+            self._stats.num_prompt_failures += 1
+        else:
+            self._stats.num_prompt_results += 1
+        self._results[req_id] = rows
+        while len(self._results) > self.max_results:
+            self._results.popitem(last=False)
+            self._stats.num_results_dropped += 1
+
+
+# -- capture and the worker -----------------------------------------------------------
+
 
 class _Capture:
-    """A forward hook that keeps the step's output rows, slots and batch order while armed."""
+    """Wraps the model runner's ``_model_forward``: keeps a step's rows, slots and batch order.
 
-    __slots__ = ("batch_order", "hidden_states", "layer_name", "num_calls", "runner", "slots")
+    vLLM calls ``_model_forward`` once per forward pass, inside the forward
+    context, with the model however vLLM wrapped it (a CUDA graph wrapper
+    replays a graph without calling the module, so a forward hook on the
+    module would not see such a step). The rows it returns are vLLM's
+    output buffer: they are read in the same step, before the next replay.
+    """
+
+    __slots__ = (
+        "batch_order",
+        "forward",
+        "hidden_states",
+        "layer_name",
+        "num_calls",
+        "runner",
+        "slots",
+    )
 
     def __init__(self, runner: Any) -> None:
+        forward = getattr(runner, "_model_forward", None)
+        if not callable(forward):
+            raise RuntimeError(
+                f"{WORKER_CLS}: expected vLLM's model runner to call the model through "
+                f"_model_forward, found {type_name(runner)} without it"
+            )
         self.runner = runner
+        self.forward: Callable[..., Any] = forward
         self.layer_name: str | None = None
         self.hidden_states: torch.Tensor | None = None
         self.slots: torch.Tensor | None = None
         self.batch_order: list[str] = []
         self.num_calls = 0
+        runner._model_forward = self
 
     def arm(self, layer_name: str) -> None:
         self.layer_name = layer_name
@@ -107,9 +489,10 @@ class _Capture:
     def disarm(self) -> None:
         self.layer_name = None
 
-    def __call__(self, module: Any, args: Any, output: Any) -> None:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        output = self.forward(*args, **kwargs)
         if self.layer_name is None:
-            return
+            return output
         self.num_calls += 1
         rows = output[0] if isinstance(output, tuple) else output
         if not isinstance(rows, torch.Tensor):
@@ -127,42 +510,57 @@ class _Capture:
         self.hidden_states = rows
         self.slots = mapping[self.layer_name]
         self.batch_order = [req_id for req_id in batch.req_ids[: batch.num_reqs] if req_id]
+        return output
 
 
-class OmniCPUWorker(CPUWorker):  # type: ignore[misc]
-    """vLLM's CPU worker, keeping each step's hidden states in a store (see the module)."""
+class OmniWorkerMixin:
+    """What omnicache adds to vLLM's ``Worker``: capture, the store, results (see the module).
+
+    Put before a subclass of vLLM's ``Worker`` in the bases; it overrides
+    only methods of ``Worker``'s interface.
+    """
 
     omni_store: LiveStore | None = None
+    # Set by vLLM's Worker.
+    vllm_config: Any
+    model_runner: Any
+    use_v2_model_runner: bool
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         transfer = self.vllm_config.kv_transfer_config
         if transfer is None or transfer.kv_connector != CONNECTOR_NAME:
             raise ValueError(
-                f"{WORKER_CLS}: expected kv_transfer_config naming {CONNECTOR_NAME!r}, found "
-                f"{None if transfer is None else transfer.kv_connector!r}"
+                f"{type(self).__name__}: expected kv_transfer_config naming {CONNECTOR_NAME!r}, "
+                f"found {None if transfer is None else transfer.kv_connector!r}"
             )
         if self.use_v2_model_runner:
             raise ValueError(
-                f"{WORKER_CLS}: expected vLLM's V1 model runner, found the V2 model runner "
-                "(VLLM_USE_V2_MODEL_RUNNER=0 selects V1)"
+                f"{type(self).__name__}: expected vLLM's V1 model runner, found the V2 model "
+                "runner (VLLM_USE_V2_MODEL_RUNNER=0 selects V1)"
             )
         self._omni_capture: _Capture | None = None
         self._omni_layer: str | None = None
-        self._omni_tier: WorkerTier | None = None
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
-        super().load_model(*args, **kwargs)
+        super().load_model(*args, **kwargs)  # type: ignore[misc]
         self._omni_capture = _Capture(self.model_runner)
-        self.model_runner.get_model().register_forward_hook(self._omni_capture)
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
-        super().initialize_from_config(kv_cache_config)
+        super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
-            raise ValueError(f"{WORKER_CLS}: expected one KV cache group, found {len(groups)}")
+            raise ValueError(
+                f"{type(self).__name__}: expected one KV cache group, found {len(groups)}"
+            )
         (group,) = groups
         self._omni_layer = group.layer_names[0]
+        connector = get_kv_transfer_group() if has_kv_transfer_group() else None
+        if not isinstance(connector, OmniStoreConnector):
+            raise RuntimeError(
+                f"{type(self).__name__}: expected {CONNECTOR_NAME} as the worker's KV connector, "
+                f"found {type_name(connector)}"
+            )
         model_config = self.vllm_config.model_config
         store = TensorStore(
             kv_cache_config.num_blocks,
@@ -170,43 +568,43 @@ class OmniCPUWorker(CPUWorker):  # type: ignore[misc]
             hidden_size=model_config.get_hidden_size(),
             hidden_dtype=model_config.dtype,
         )
+        tier = (
+            None
+            if connector.tier is None
+            else WorkerTier(connector.tier, connector.kv_caches, store)
+        )
         extra = self.vllm_config.kv_transfer_config.kv_connector_extra_config
         self.omni_store = LiveStore(
-            store, max_results=extra.get("max_prompt_results", DEFAULT_MAX_PROMPT_RESULTS)
+            store,
+            max_results=extra.get("max_prompt_results", DEFAULT_MAX_PROMPT_RESULTS),
+            tier=tier,
         )
-        connector = get_kv_transfer_group() if has_kv_transfer_group() else None
-        if not isinstance(connector, OmniStoreConnector):
-            raise RuntimeError(
-                f"{WORKER_CLS}: expected {CONNECTOR_NAME} as the worker's KV connector, found "
-                f"{type_name(connector)}"
-            )
-        self._omni_tier = connector.attach(self.omni_store)
+        connector.bind_worker_side(self.omni_store)
 
     def execute_model(self, scheduler_output: Any) -> Any:
         metadata = scheduler_output.kv_connector_metadata
         capture, live = self._omni_capture, self.omni_store
         if capture is None or live is None or self._omni_layer is None:
-            raise RuntimeError(f"{WORKER_CLS}: a step before the model and store were set up")
+            raise RuntimeError(
+                f"{type(self).__name__}: a step before the model and store were set up"
+            )
         if not isinstance(metadata, OmniStepMetadata):
             raise RuntimeError(
-                f"{WORKER_CLS}: expected {CONNECTOR_NAME}'s step metadata, found "
+                f"{type(self).__name__}: expected {CONNECTOR_NAME}'s step metadata, found "
                 f"{type_name(metadata)}"
             )
         capture.arm(self._omni_layer)
         try:
-            output = super().execute_model(scheduler_output)
+            output = super().execute_model(scheduler_output)  # type: ignore[misc]
         finally:
             capture.disarm()
         if capture.num_calls > 1:
             raise RuntimeError(
-                f"{WORKER_CLS}: expected one forward pass per step, found {capture.num_calls}"
+                f"{type(self).__name__}: expected one forward pass per step, found "
+                f"{capture.num_calls}"
             )
-        stamped = live.apply(
-            metadata.plan, capture.batch_order, capture.hidden_states, capture.slots
-        )
+        live.apply(metadata.plan, capture.batch_order, capture.hidden_states, capture.slots)
         capture.hidden_states = capture.slots = None
-        if self._omni_tier is not None:
-            self._omni_tier.save(live.store, stamped)
         return output
 
     # -- collective_rpc methods ------------------------------------------------------
@@ -233,23 +631,64 @@ class OmniCPUWorker(CPUWorker):  # type: ignore[misc]
         With a tier, also the worker's tier counters (prefixed ``tier_``) and
         those of its Redis client (prefixed ``redis_``).
         """
-        if self.omni_store is None:
+        live = self.omni_store
+        if live is None:
             return {}
-        stats: dict[str, int | float] = asdict(self.omni_store.stats)
-        stats.update({f"store_{k}": v for k, v in asdict(self.omni_store.store.stats).items()})
-        if self._omni_tier is not None:
-            stats.update({f"tier_{k}": v for k, v in asdict(self._omni_tier.stats).items()})
-            stats.update({f"redis_{k}": v for k, v in asdict(self._omni_tier.tier.stats).items()})
+        stats: dict[str, int | float] = asdict(live.stats)
+        stats.update({f"store_{k}": v for k, v in asdict(live.store.stats).items()})
+        if live.tier is not None:
+            stats.update({f"tier_{k}": v for k, v in asdict(live.tier.stats).items()})
+            stats.update({f"redis_{k}": v for k, v in asdict(live.tier.tier.stats).items()})
         return stats
 
     def omni_tier_flush(self, timeout_s: float = 30.0) -> bool:
         """Waits until every block saved to the tier is written; False without a tier or in time."""
-        return self._omni_tier is not None and self._omni_tier.flush(timeout_s)
+        live = self.omni_store
+        return live is not None and live.tier is not None and live.tier.flush(timeout_s)
+
+
+_WORKERS = {
+    "OmniCPUWorker": ("vllm.v1.worker.cpu_worker", "CPUWorker", "vLLM's CPU worker"),
+    "OmniGPUWorker": ("vllm.v1.worker.gpu_worker", "Worker", "vLLM's GPU worker"),
+}
+
+if TYPE_CHECKING:
+
+    class OmniCPUWorker(OmniWorkerMixin, CPUWorker): ...  # type: ignore[misc]
+
+    class OmniGPUWorker(OmniWorkerMixin, Worker): ...  # type: ignore[misc]
+
+
+def __getattr__(name: str) -> type:
+    """`OmniCPUWorker` and `OmniGPUWorker`: the mixin over vLLM's worker, made when first named.
+
+    NOTE: vLLM's worker modules import its whole model-running stack, which an
+    install of vLLM's scheduler side lacks; `LiveStore` and the rest of this
+    module need none of it, so only naming a worker class imports it.
+    """
+    if name not in _WORKERS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module_name, base_name, what = _WORKERS[name]
+    base = getattr(importlib.import_module(module_name), base_name)
+    worker = type(
+        name,
+        (OmniWorkerMixin, base),
+        {
+            "__module__": __name__,
+            "__qualname__": name,
+            "__doc__": f"{what}, keeping each step's hidden states in a store (see the module).",
+        },
+    )
+    globals()[name] = worker
+    return worker
+
+
+# -- results ----------------------------------------------------------------------------
 
 
 def encode_rows(rows: torch.Tensor) -> dict[str, Any]:
-    """A CPU tensor as plain values: dtype name, shape and raw bytes."""
-    rows = rows.contiguous()
+    """A tensor as plain values: dtype name, shape and raw bytes (copied to the CPU)."""
+    rows = rows.detach().to("cpu").contiguous()
     return {
         "dtype": str(rows.dtype).removeprefix("torch."),
         "shape": list(rows.shape),

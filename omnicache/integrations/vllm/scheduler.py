@@ -1,7 +1,7 @@
 """omnicache turned on inside a vLLM engine: `OmniScheduler`, a scheduler given by name.
 
 vLLM builds its scheduler from the class named by ``scheduler_cls`` (``LLM(...,
-scheduler_cls="omnicache.integrations.vllm.plugin.OmniScheduler")``, or
+scheduler_cls="omnicache.integrations.vllm.scheduler.OmniScheduler")``, or
 ``--scheduler-cls`` on the server), inside the engine core's process: in
 process with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, in the engine core's own
 process by default. That one name is all it takes, and no vLLM module is
@@ -12,13 +12,13 @@ patched:
   same hasher for every appended token (the engine core keys a new request
   with vLLM's own hasher first; `OmniScheduler.add_request` replaces those
   keys before the request is queued or looked up);
-- the KV cache manager is wrapped in an `OmniKVCacheManager`. Alone, its
-  `TensorStore` holds no entries and no hit is capped. With the
-  `OmniStoreConnector` configured (``kv_transfer_config``) and the
-  `OmniCPUWorker` (``worker_cls``), the worker stores each step's hidden
-  states, and the wrapper's store becomes the scheduler's mirror of the
-  worker's stamps (`StoreMirror`): every hit is capped to blocks whose rows
-  the worker holds.
+- the KV cache manager is wrapped in an `OmniKVCacheManager`. Alone, it
+  caps no hit. With the `OmniStoreConnector` configured
+  (``kv_transfer_config``) and omnicache's worker (``worker_cls``), the
+  worker stores each step's hidden states, a `StoreMirror` keeps the table
+  of what it holds and plans each step, bound to the connector as its
+  scheduler side (with a tier, with the tier's reader): every hit is capped
+  to blocks whose rows the worker holds.
 
 Multimodal items enter the keys through ``mm_features[i].identifier``: pass
 ``multi_modal_uuids=omnicache.integrations.vllm.multi_modal_uuids(mm_data)``
@@ -44,13 +44,11 @@ from typing import Any
 
 from hashing import ALGORITHMS, Algorithm
 from omnicache.block_hash import DEFAULT_BLOCK_ALGORITHM
-from omnicache.integrations.vllm.block_hasher import RequestBlockHasher, scheduler_block_hasher
 from omnicache.integrations.vllm.common import vllm_series
 from omnicache.integrations.vllm.connector import OmniStoreConnector
-from omnicache.integrations.vllm.groups import store_group
-from omnicache.integrations.vllm.manager import OmniKVCacheManager
-from omnicache.integrations.vllm.mirror import StoreMirror
-from omnicache.store import TensorStore
+from omnicache.integrations.vllm.keys import RequestBlockHasher, scheduler_block_hasher
+from omnicache.integrations.vllm.manager import OmniKVCacheManager, StoreMirror
+from omnicache.integrations.vllm.tier import tier_reader
 
 _SERIES = vllm_series()  # vLLM imports this module by name: fail here, with the install hint.
 
@@ -101,17 +99,19 @@ class OmniScheduler(Scheduler):  # type: ignore[misc]
             namespace=namespace,
             algorithm=algorithm_from_env(),
         )
-        # NOTE: the store's rows follow one full-attention group, whose blocks
-        # may be coarser than the hash blocks (see `store_group`).
-        group = store_group(manager, None)
-        store = TensorStore(manager.block_pool.num_gpu_blocks, group.block_size)
-        self.omni_manager = OmniKVCacheManager(manager, store, kv_cache_group_id=group.group_id)
+        # NOTE: the rows follow one full-attention group, whose blocks may be
+        # coarser than the hash blocks (see `manager.store_group`).
+        self.omni_manager = OmniKVCacheManager(manager)
         self.kv_cache_manager = self.omni_manager
         self.omni_mirror: StoreMirror | None = None
         # NOTE: vLLM builds the connector (by name) inside its scheduler's
         # constructor, before the manager is wrapped.
         if isinstance(self.connector, OmniStoreConnector):
-            self.omni_mirror = self.connector.bind_manager(self.omni_manager)
+            reader = None
+            if self.connector.tier is not None:
+                reader = tier_reader(self.connector.tier, self.vllm_config, self.kv_cache_config)
+            self.omni_mirror = StoreMirror(self.omni_manager, reader)
+            self.connector.bind_scheduler_side(self.omni_mirror)
 
     def add_request(self, request: Any) -> None:
         """Keys a new request with omnicache keys, then queues it as vLLM does."""

@@ -1,7 +1,7 @@
 """vLLM's KV cache manager as an engine builds it, for one group or several (hybrid models).
 
-For code that drives vLLM's scheduler side by hand (tests, benchmarks,
-examples): an engine builds its manager from the model's layers; these build
+For tests and benchmarks that drive vLLM's scheduler side by hand: an engine
+builds its manager from the model's layers; these build
 the same manager for one group of full-attention layers, or for one group per
 spec given (full attention beside sliding window, chunked local attention or
 Mamba layers), caching prefixes.

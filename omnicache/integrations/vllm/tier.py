@@ -40,7 +40,7 @@ import torch
 
 from omnicache.block_hash import BlockHash
 from omnicache.checks import type_name
-from omnicache.integrations.vllm.step_plan import LoadOrder
+from omnicache.integrations.vllm.plan import LoadOrder
 from omnicache.store import HIDDEN_STATES, EntrySpec, TensorStore, TierBlock
 from omnicache.tiers import codec
 from omnicache.tiers.base import check_key_part, decode_run, value_key
@@ -57,6 +57,7 @@ __all__ = [
     "decode_blocks",
     "entry_specs",
     "tier_config",
+    "tier_reader",
 ]
 
 TIER_URL = "tier_url"
@@ -172,6 +173,27 @@ class TierReader:
 
     def close(self) -> None:
         self.client.close()
+
+
+def tier_reader(config: TierConfig, vllm_config: Any, kv_cache_config: Any) -> TierReader:
+    """The scheduler's reader of ``config``'s tier, for the engine's KV cache and model.
+
+    Raises:
+        ValueError: the KV cache has more than one group (the tier keeps one).
+    """
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(f"tier ({TIER_URL}): expected one KV cache group, found {len(groups)}")
+    (group,) = groups
+    spec = group.kv_cache_spec
+    model_config = vllm_config.model_config
+    entries = entry_specs(
+        model_config.get_hidden_size(),
+        model_config.dtype,
+        dict.fromkeys(group.layer_names, (spec.num_kv_heads, 2 * spec.head_size)),
+        spec.dtype,
+    )
+    return TierReader(config, entries, int(vllm_config.cache_config.block_size))
 
 
 def decode_blocks(

@@ -1,0 +1,216 @@
+"""The one message between omnicache's two processes: `StepPlan`, and the sides that make it.
+
+The engine core builds one `StepPlan` per step (`manager.StoreMirror`, the
+scheduler side) and vLLM carries it to the worker's process inside the
+step's ``SchedulerOutput`` (``kv_connector_metadata``, through
+`connector.OmniStoreConnector`, which does nothing else); the worker
+(`worker.LiveStore`) writes the step's hidden states by it. The connector
+knows each side only by the small protocol it calls (`SchedulerSide`,
+`WorkerSide`), bound by the scheduler and the worker at start. Plain data
+and protocols: no vLLM, no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from omnicache.block_hash import BlockHash
+from omnicache.integrations.vllm.common import wants_prompt_hidden_states
+
+__all__ = [
+    "EXTERNAL_TOKENS_PARAM",
+    "REQUEST_ID_PARAM",
+    "LoadOrder",
+    "PlannedRequest",
+    "SchedulerSide",
+    "StepPlan",
+    "WorkerSide",
+    "asks",
+    "block_ids_of",
+    "planned_slots",
+    "prompt_requests",
+    "scheduled",
+    "uncached_plan",
+]
+
+REQUEST_ID_PARAM = "omnicache_request_id"
+"""The ``kv_transfer_params`` key of the engine core's id of a request that asked."""
+EXTERNAL_TOKENS_PARAM = "omnicache_external_tokens"
+"""The ``kv_transfer_params`` key of the tokens a request's first admission loaded from the tier."""
+
+_LOG = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedRequest:
+    """One scheduled request's part of a step."""
+
+    req_id: str
+    # Position of the first token the step computes for the request.
+    start: int
+    num_new: int
+    # The blocks holding tokens ``start .. start + num_new - 1``, in order; empty
+    # when the scheduler could not confirm them (the rows are then written
+    # without keys, so no block they touch keeps a stamp).
+    block_ids: tuple[int, ...] = ()
+    # The request's prefix hit, given in the step that starts right after it
+    # (``start == len(hit_block_ids) * block_size``), otherwise empty.
+    hit_block_ids: tuple[int, ...] = ()
+    hit_block_keys: tuple[BlockHash, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOrder:
+    """Blocks of one request to fill from a tier before the step's forward pass."""
+
+    req_id: str
+    block_ids: tuple[int, ...]
+    block_keys: tuple[BlockHash, ...]
+    # Per block, its tier values (one per tier entry, in the entries' order),
+    # fetched and verified by the scheduler.
+    values: tuple[tuple[bytes, ...], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One step of the scheduler, as the worker's store needs it.
+
+    The worker applies a plan in this order: ``reset`` and
+    ``cleared_block_ids`` (blocks vLLM handed out again or dropped the key
+    of), ``loads`` (before the forward pass), the step's rows (stamping the
+    full blocks of ``block_keys`` they complete), ``invalidated_block_ids``
+    (allocations the scheduler did not schedule after all), then the reads
+    of hits.
+    """
+
+    # Prefix caching on: rows are written into the store and hits read from it.
+    caching: bool
+    requests: tuple[PlannedRequest, ...] = ()
+    # Block id -> key, for the full blocks the step's rows touch.
+    block_keys: Mapping[int, BlockHash] = field(default_factory=dict)
+    # Requests new to the worker that asked for their prompt's hidden states:
+    # request id -> number of prompt tokens.
+    prompt_requests: Mapping[str, int] = field(default_factory=dict)
+    cleared_block_ids: tuple[int, ...] = ()
+    reset: bool = False
+    invalidated_block_ids: tuple[int, ...] = ()
+    # Requests that finished (or were aborted) since the previous step.
+    finished_req_ids: tuple[str, ...] = ()
+    # Blocks to fill from a tier before the forward pass (each also part of
+    # its request's hit).
+    loads: tuple[LoadOrder, ...] = ()
+
+
+def block_ids_of(slots: npt.NDArray[np.int64], block_size: int) -> tuple[int, ...]:
+    """The blocks a run of a request's slots passes through, in order."""
+    if len(slots) <= 1:
+        return tuple(int(slot) // block_size for slot in slots)
+    ids = slots // block_size
+    first = np.concatenate(([True], ids[1:] != ids[:-1]))
+    return tuple(int(block_id) for block_id in ids[first])
+
+
+def planned_slots(
+    requests: Sequence[PlannedRequest], block_size: int
+) -> npt.NDArray[np.int64] | None:
+    """The slots of the step's rows, request after request; None if any request lacks blocks."""
+    parts: list[npt.NDArray[np.int64]] = []
+    for item in requests:
+        if item.num_new == 0:
+            continue
+        if not item.block_ids:
+            return None
+        positions = np.arange(item.start, item.start + item.num_new, dtype=np.int64)
+        ids = np.asarray(item.block_ids, dtype=np.int64)
+        index = positions // block_size - item.start // block_size
+        if index[-1] >= len(ids):
+            return None
+        parts.append(ids[index] * block_size + positions % block_size)
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def asks(req_id: str, sampling_params: Any) -> bool:
+    """`wants_prompt_hidden_states`, where a bad value is logged and taken as no.
+
+    NOTE: the front end refuses a bad value before the request gets here
+    (`omnicache.integrations.vllm.frontend`); one that comes another way
+    (vLLM's plugins limited by ``VLLM_PLUGINS``) must not stop the engine.
+    """
+    try:
+        return wants_prompt_hidden_states(sampling_params)
+    except ValueError as error:
+        _LOG.warning("request %s: %s; its prompt's hidden states are not kept", req_id, error)
+        return False
+
+
+def scheduled(scheduler_output: Any) -> Iterator[tuple[str, int, int]]:
+    """``(request id, first position, tokens)`` of each request a ``SchedulerOutput`` computes."""
+    counts = scheduler_output.num_scheduled_tokens
+    for new in scheduler_output.scheduled_new_reqs:
+        yield new.req_id, new.num_computed_tokens, counts[new.req_id]
+    cached = scheduler_output.scheduled_cached_reqs
+    for req_id, start in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+        yield req_id, start, counts[req_id]
+
+
+def prompt_requests(scheduler_output: Any) -> dict[str, int]:
+    """Request id -> prompt tokens of the step's new requests that ask for their hidden states."""
+    return {
+        new.req_id: new.prompt_len
+        for new in scheduler_output.scheduled_new_reqs
+        if asks(new.req_id, new.sampling_params)
+    }
+
+
+def uncached_plan(scheduler_output: Any) -> StepPlan:
+    """The plan of a step without prefix caching: every request's rows, nothing stamped."""
+    return StepPlan(
+        caching=False,
+        requests=tuple(PlannedRequest(*item) for item in scheduled(scheduler_output)),
+        prompt_requests=prompt_requests(scheduler_output),
+        finished_req_ids=tuple(sorted(scheduler_output.finished_req_ids)),
+    )
+
+
+class SchedulerSide(Protocol):
+    """What the connector's scheduler side hands to omnicache's scheduler (`StoreMirror`)."""
+
+    def step_plan(self, scheduler_output: Any) -> StepPlan:
+        """The step's plan (``build_connector_meta``)."""
+        ...
+
+    def num_external_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens after vLLM's local hit the tier holds (``get_num_new_matched_tokens``)."""
+        ...
+
+    def on_external_allocated(
+        self, request: Any, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        """vLLM gave the external tokens blocks (``update_state_after_alloc``)."""
+        ...
+
+    def on_load_errors(self, block_ids: Sequence[int]) -> None:
+        """The worker could not load these blocks (``update_connector_output``)."""
+        ...
+
+    def finished(self, request: Any) -> dict[str, Any]:
+        """The request's ``kv_transfer_params`` besides its id (``request_finished``)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class WorkerSide(Protocol):
+    """What the connector's worker side hands to omnicache's worker (`worker.LiveStore`)."""
+
+    def start_step(self, plan: StepPlan) -> set[int]:
+        """Before the forward pass: clears, then loads; the blocks that did not load."""
+        ...
+
+    def close(self) -> None: ...
