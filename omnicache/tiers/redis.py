@@ -221,7 +221,9 @@ class RedisTier:
                     sealed=False,
                     auth_key=self._auth_key,
                 )
-            except Exception as exc:
+            except (TypeError, ValueError) as exc:
+                # NOTE: rows the format cannot carry (a name or shape too long
+                # for the header): this block is lost, the others are written.
                 with self._cv:
                     self._stats.num_put_values += 1
                     self._stats.num_dropped_values += 1
@@ -306,9 +308,9 @@ class RedisTier:
                 raise redis.ResponseError(
                     f"MGET: expected {len(names)} values, found {len(values)}"
                 )
-        except Exception as exc:
-            # NOTE: any failure of the client is a miss: a serving path must
-            # not fail because its cache did.
+        except (redis.RedisError, OSError) as exc:
+            # NOTE: any failure of the server or the connection is a miss: a
+            # serving path must not fail because its cache did.
             self._fault(exc, "read")
             with self._cv:
                 self._stats.num_read_errors += 1
@@ -324,13 +326,8 @@ class RedisTier:
         def on_reject(index: int, spec: EntrySpec, why: codec.Rejection) -> None:
             rejected.append((index, spec, why))
 
-        try:
-            run = decode_run(keys, entries, block_size, value_of, on_reject, self._auth_key)
-        except Exception as exc:
-            self._fault(exc, "read")
-            with self._cv:
-                self._stats.num_read_errors += 1
-            return []
+        # NOTE: a value that does not verify is a rejection, not an error.
+        run = decode_run(keys, entries, block_size, value_of, on_reject, self._auth_key)
         if rejected:
             with self._cv:
                 self._stats.num_rejected_values += len(rejected)
@@ -488,7 +485,7 @@ class RedisTier:
             # NOTE: a refused command (OOM under maxmemory noeviction, ...)
             # comes back as its reply; a lost connection raises.
             replies = pipe.execute(raise_on_error=False)
-        except Exception as exc:
+        except (redis.RedisError, OSError) as exc:
             self._fault(exc, "write")
             return 0
         self._recovered()

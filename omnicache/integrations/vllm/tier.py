@@ -137,6 +137,7 @@ class TierReader:
         self.client = redis.Redis.from_url(
             config.url, socket_timeout=0.5, socket_connect_timeout=0.5
         )
+        self._faults: tuple[type[Exception], ...] = (redis.RedisError, OSError)
         self.num_lookups = 0
         self.num_errors = 0
         self.num_rejected_values = 0
@@ -152,7 +153,7 @@ class TierReader:
         ]
         try:
             values: list[Any] = list(self.client.mget(names))
-        except Exception as exc:
+        except self._faults as exc:
             # NOTE: a tier that fails costs misses, never the engine.
             self.num_errors += 1
             _LOG.warning("tier lookup failed (%s: %s): no external hit", type(exc).__name__, exc)
