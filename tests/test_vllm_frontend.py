@@ -292,3 +292,32 @@ def test_request_checks_are_installed_once_and_stay_out_where_the_api_differs(
         "'supported_tasks'), found ('self', 'params')); the engine ignores a bad one with a "
         "warning"
     ]
+
+
+# -- versions -----------------------------------------------------------------------------
+
+
+def test_a_newer_vllm_runs_under_the_newest_series_rules_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import vllm
+
+    from omnicache.integrations.vllm import common
+
+    common._warn_untested.cache_clear()
+    monkeypatch.setattr(vllm, "__version__", "0.34.1rc2")
+    with caplog.at_level("WARNING", logger=common.__name__):
+        assert common.vllm_series() == "0.33."
+        assert common.vllm_series() == "0.33."
+    assert caplog.messages == [
+        "omnicache: vLLM 0.34.1rc2 is newer than the series it was tested with; running under "
+        "0.33.x's rules, and every hook refuses where the API it uses differs"
+    ]
+    for older in ("0.31.9", "0.9.2", "unknown"):
+        monkeypatch.setattr(vllm, "__version__", older)
+        with pytest.raises(ImportError) as info:
+            common.vllm_series()
+        assert str(info.value).startswith(
+            f"omnicache.integrations.vllm: expected vLLM 0.32.x or 0.33.x or newer, found {older}; "
+        )
+    common._warn_untested.cache_clear()

