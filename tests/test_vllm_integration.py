@@ -1,4 +1,4 @@
-"""omnicache inside real vLLM 0.33: block keys, the KVCacheManager wrapper and its TensorStore.
+"""omnicache inside real vLLM 0.33: block keys, the KVCacheManager wrapper and a worker's store.
 
 These tests drive vLLM's own ``Request``, ``KVCacheManager`` and ``BlockPool``
 (scheduler side, CPU) the way its scheduler does. ``./dev`` installs vLLM

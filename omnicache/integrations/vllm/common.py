@@ -54,7 +54,7 @@ LIVE_INSTALL_HINT = (
 
 # The names a user gives vLLM to turn omnicache on (see the README's "Use with vLLM").
 SCHEDULER_CLS = "omnicache.integrations.vllm.scheduler.OmniScheduler"
-"""``scheduler_cls``: omnicache's keys (`plugin.OmniScheduler`)."""
+"""``scheduler_cls``: omnicache's keys (`scheduler.OmniScheduler`)."""
 WORKER_CLS = "omnicache.integrations.vllm.worker.OmniCPUWorker"
 """``worker_cls`` on CPU: the worker that keeps hidden states (`worker.OmniCPUWorker`)."""
 GPU_WORKER_CLS = "omnicache.integrations.vllm.worker.OmniGPUWorker"
