@@ -361,11 +361,11 @@ class RequestState:
     """What the wrapper records of a request, from its allocation to its free."""
 
     request: Any
-    # The request's block table in vLLM's store group (its own list, updated in place).
+    # The request's block table in the rows' group (its own list, updated in place).
     blocks: list[Any]
-    # Hash blocks per store block.
+    # Hash blocks per block of that group.
     scale: int
-    num_hit_tokens: int = 0
+    # The hit it adopted, in whole blocks of that group, and their keys.
     hit_block_ids: tuple[int, ...] = ()
     hit_block_keys: tuple[BlockHash, ...] = ()
 
@@ -410,7 +410,7 @@ class RequestState:
         return slots
 
     def keys(self) -> Sequence[BlockHash]:
-        """The keys of the request's full blocks in the store group."""
+        """The keys of the request's full blocks in the rows' group."""
         return group_keys(self.request.block_hashes, self.scale)
 
 
@@ -712,7 +712,6 @@ class OmniKVCacheManager:
             hit = new_computed_blocks.blocks[self._group.group_id][:num_blocks]
             state.hit_block_ids = tuple(block.block_id for block in hit)
             state.hit_block_keys = tuple(state.keys()[:num_blocks])
-            state.num_hit_tokens = num_blocks * block_size
             self._stats.num_hit_blocks += num_blocks
         if self._mirror is not None and num_new_tokens > 0:
             # NOTE: a new request's computed tokens are set after allocation.
