@@ -88,16 +88,16 @@ def engine(model: Path, url: str | None) -> Any:
 def run(model: Path, url: str | None, count: int) -> dict[str, float]:
     """One engine serving the prompts: median step, tier work per call and per block (ms)."""
     from vllm import SamplingParams
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     llm = engine(model, url)
     core = llm.llm_engine.engine_core.engine_core
     step = Timed(core, "step_fn")
     save = load = fetch = None
-    tier = get_kv_transfer_group().worker_tier
+    # In process: the worker's store and tier, and the scheduler's tier reader.
+    tier = core.model_executor.driver_worker.worker.omni_store.tier
     if tier is not None:
         save, load = Timed(tier, "save"), Timed(tier, "load")
-        fetch = Timed(core.scheduler.connector._index, "fetch")
+        fetch = Timed(core.scheduler.omni_mirror._reader, "fetch")
     before = None if tier is None else (tier.stats.num_saved_blocks, tier.stats.num_loaded_blocks)
     llm.generate(prompts(count), SamplingParams(max_tokens=1), use_tqdm=False)
     result = {"step": 1e3 * statistics.median(step.times), "steps": 1e3 * sum(step.times)}
