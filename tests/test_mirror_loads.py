@@ -95,7 +95,7 @@ def test_a_load_not_scheduled_is_undone_and_a_failed_one_cleared() -> None:
     second = s.admit("c", 3 * BS)
     ids = s.load(second, 3)
     s.mirror.plan([("c", 3 * BS, 4)], {}, [])
-    s.mirror.on_load_failed(ids)
+    s.mirror.on_load_errors(ids)
     assert s.stamped(ids, second) == 0
     assert s.mirror.plan([], {}, []).cleared_block_ids == ids
 

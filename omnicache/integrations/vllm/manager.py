@@ -54,7 +54,7 @@ scheduled later in the same step or after) the worker holds them. They
 extend the loading request's hit in the plan (local hit, then loaded
 blocks). A load the worker could not serve whole loads nothing: vLLM learns
 its block ids after the step (``get_block_ids_with_load_errors``) and
-recomputes the request from the first of them; `StoreMirror.on_load_failed`
+recomputes the request from the first of them; `StoreMirror.on_load_errors`
 then clears those blocks here and, through the next plan, in the worker
 (which never stamped them).
 
@@ -853,9 +853,6 @@ class StoreMirror:
         num = num_external_tokens // size
         self.on_loaded(request.request_id, block_ids[first : first + num], keys[:num], values[:num])
 
-    def on_load_errors(self, block_ids: Sequence[int]) -> None:
-        self.on_load_failed(block_ids)
-
     def finished(self, request: Any) -> dict[str, Any]:
         """``{"omnicache_external_tokens": n}`` with a tier: its first admission's loaded tokens."""
         self._lookups.pop(request.request_id, None)
@@ -917,7 +914,7 @@ class StoreMirror:
             request_id, tuple(block_ids), tuple(block_keys), tuple(values)
         )
 
-    def on_load_failed(self, block_ids: Iterable[int]) -> None:
+    def on_load_errors(self, block_ids: Iterable[int]) -> None:
         """Clears the stamps of blocks whose load (or computation over it) failed."""
         ids = list(dict.fromkeys(block_ids))
         if not ids:
