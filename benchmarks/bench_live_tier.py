@@ -10,15 +10,16 @@ process), against a Redis server this script starts. Engines, one per row:
 - tier, saving: the same prompts into an empty tier: every full block's KV
   (both layers) and hidden rows are saved behind (`WorkerTier.save`: the
   copy into the write-behind queue; the writer thread sends);
-- tier, loading: a fresh engine, the same prompts: every full block is
-  fetched and verified by the scheduler (`TierReader.fetch`, one MGET) and
-  loaded by the worker into the paged cache and the store
-  (`WorkerTier.load`) instead of computed.
+- tier, loading: a fresh engine, the same prompts: the scheduler asks which
+  full blocks exist (`TierReader.held`, ``EXISTS``), and the worker fetches,
+  verifies and loads them into the paged cache and the store
+  (`WorkerTier.load`, one MGET) instead of computing them; vLLM holds each
+  request one step while its blocks load.
 
-Columns: the engine core's step time (median over the steps) and its ratio
-to the engine without a tier, the tier's work per block (saving: the save
-calls; loading: the scheduler's fetches and the worker's loads), and that
-work's share of the workload's total step time. Medians over ``--repeats``
+Columns: the engine core's step time (median over the steps), the
+workload's total step time and its ratio to the engine without a tier, the
+tier's work per block (saving: the save calls; loading: the scheduler's
+lookups and the worker's loads), and that work's share of the total. Medians over ``--repeats``
 passes, each on fresh engines and a flushed database.
 
 Run with the live engine's environment (``./dev live`` prepares ``.venv-live``):
@@ -69,6 +70,7 @@ def engine(model: Path, url: str | None) -> Any:
     transfer: dict[str, Any] = store_kv_transfer_config()
     if url is not None:
         transfer["kv_connector_extra_config"] = {"tier_url": url, "tier_namespace": "bench"}
+        transfer["kv_load_failure_policy"] = "recompute"
     return LLM(
         model=str(model),
         block_size=BLOCK_SIZE,
@@ -97,7 +99,7 @@ def run(model: Path, url: str | None, count: int) -> dict[str, float]:
     tier = core.model_executor.driver_worker.worker.omni_store.tier
     if tier is not None:
         save, load = Timed(tier, "save"), Timed(tier, "load")
-        fetch = Timed(core.scheduler.omni_mirror._reader, "fetch")
+        fetch = Timed(core.scheduler.omni_mirror._reader, "held")
     before = None if tier is None else (tier.stats.num_saved_blocks, tier.stats.num_loaded_blocks)
     llm.generate(prompts(count), SamplingParams(max_tokens=1), use_tqdm=False)
     result = {"step": 1e3 * statistics.median(step.times), "steps": 1e3 * sum(step.times)}
@@ -141,15 +143,20 @@ def main() -> None:
         f"\nhidden {args.hidden}, float32, 2 layers; {args.requests} x {PROMPT_TOKENS} tokens, "
         f"1 new token each; median step, median of {args.repeats} passes"
     )
-    print(f"{'':<15}{'step ms':>10}{'/ no tier':>10}{'tier ms/block':>15}{'tier share':>12}")
-    base = statistics.median(p["step"] for p in passes["no tier"])
+    print(
+        f"{'':<15}{'step ms':>10}{'total ms':>10}{'/ no tier':>10}{'tier ms/block':>15}"
+        f"{'tier share':>12}"
+    )
+    base = statistics.median(p["steps"] for p in passes["no tier"])
     for mode, runs in passes.items():
         row = {k: statistics.median(p[k] for p in runs) for k in runs[0]}
-        step = row["step"]
         block = f"{row['block']:.3f}" if "block" in row else "-"
         # The tier's work over all the workload's steps, against their total time.
         share = f"{100 * row['tier'] / row['steps']:.1f}%" if "tier" in row else "-"
-        print(f"{mode:<15}{step:>10.3f}{step / base:>9.3f}x{block:>15}{share:>12}")
+        print(
+            f"{mode:<15}{row['step']:>10.3f}{row['steps']:>10.1f}{row['steps'] / base:>9.3f}x"
+            f"{block:>15}{share:>12}"
+        )
 
 
 if __name__ == "__main__":

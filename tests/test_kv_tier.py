@@ -1,23 +1,23 @@
 """The live engine's Redis tier without an engine: configuration, save, fetch and load, on a
 real server.
 
-`WorkerTier` and `TierReader` move blocks between KV caches in CPU
-attention's layout ``(num_blocks, heads, block_size, 2 * head)``, a store's
-hidden rows and Redis; `LiveStore` keeps rows computed over a failed load
-unstamped. The live engines' test is ``test_vllm_live_tier``.
+`TierReader` tells which blocks Redis holds (no values); `WorkerTier` moves
+blocks between KV caches in CPU attention's layout ``(num_blocks, heads,
+block_size, 2 * head)``, a store's hidden rows and Redis, loading the leading
+blocks that verify; `LiveStore` reports the blocks of a load that did not
+load. The live engines' test is ``test_vllm_live_tier``.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
 import pytest
 import torch
 from test_vllm_integration import VLLM_MISSING
 
 from omnicache.block_hash import BlockHash
-from omnicache.integrations.vllm.plan import LoadOrder, PlannedRequest, StepPlan
+from omnicache.integrations.vllm.plan import LoadOrder, StepPlan
 from omnicache.integrations.vllm.tier import (
     TierConfig,
     TierReader,
@@ -56,7 +56,8 @@ def store() -> TensorStore:
 
 def reader(config: TierConfig) -> TierReader:
     kv = dict.fromkeys(LAYERS, (HEADS, HEAD2))
-    return TierReader(config, entry_specs(HIDDEN, torch.float32, kv, torch.float32), BS)
+    specs = entry_specs(HIDDEN, torch.float32, kv, torch.float32)
+    return TierReader(config, [spec.name for spec in specs])
 
 
 @pytest.fixture
@@ -106,11 +107,13 @@ def test_a_worker_refuses_kv_caches_of_another_layout(config: TierConfig) -> Non
 
 def test_saved_blocks_load_into_other_blocks_of_another_worker(config: TierConfig) -> None:
     _, kv, st = saved_blocks(config)
-    fetched = reader(config).fetch([K[0], K[1], K[2]])
-    assert len(fetched) == 2  # K[2] was never saved
+    index = reader(config)
+    assert index.held([K[0], K[1], K[2]]) == 2  # K[2] was never saved
+    assert index.held([K[2], K[0]]) == 0  # leading blocks only
+    index.close()
     target_kv, target = caches(seed=None), store()
     tier = WorkerTier(config, target_kv, target)
-    assert tier.load(target, LoadOrder("r", (5, 6), (K[0], K[1]), tuple(fetched)))
+    assert tier.load(target, LoadOrder("r", (5, 6), (K[0], K[1]))) == 2
     for name in LAYERS:
         assert torch.equal(target_kv[name][5], kv[name][1])
         assert torch.equal(target_kv[name][6], kv[name][2])
@@ -121,66 +124,105 @@ def test_saved_blocks_load_into_other_blocks_of_another_worker(config: TierConfi
         st.read_blocks(HIDDEN_STATES, [1, 2], [K[0], K[1]]),
     )
     assert (tier.stats.num_load_requests, tier.stats.num_loaded_blocks) == (1, 2)
+    assert tier.stats.num_failed_loads == 0
     tier.close()
 
 
 @pytest.mark.parametrize("damage", ["deleted", "overwritten"])
-def test_a_block_missing_or_damaged_in_redis_ends_the_fetch_there(
+def test_a_block_gone_or_damaged_after_the_lookup_ends_the_load_there(
     config: TierConfig, redis_server: RedisServer, damage: str
 ) -> None:
     saved_blocks(config)
+    index = reader(config)
+    assert index.held([K[0], K[1]]) == 2
+    # Between the scheduler's lookup and the worker's load, block K[1] loses a value.
     name = f"test:{config.namespace}:{K[1].hex()}:kv.{LAYERS[0]}"
     client = redis_server.client()
     if damage == "deleted":
         assert client.delete(name) == 1
+        assert index.held([K[0], K[1]]) == 1
     else:
         assert client.set(name, b"not a value") is True
-    index = reader(config)
-    assert len(index.fetch([K[0], K[1]])) == 1
-    assert index.num_rejected_values == (damage == "overwritten")
+        assert index.held([K[0], K[1]]) == 2  # it exists: only the load can tell
+    index.close()
+    target_kv, target = caches(seed=None), store()
+    tier = WorkerTier(config, target_kv, target)
+    live = LiveStore(target, max_results=4, tier=tier)
+    plan = StepPlan(caching=True, loads=(LoadOrder("r", (5, 6), (K[0], K[1])),))
+    assert live.start_step(plan) == {6}
+    assert target.probe([5, 6], [K[0], K[1]]) == 1
+    assert all(not cache[6].any() for cache in target_kv.values())
+    assert (tier.stats.num_loaded_blocks, tier.stats.num_failed_loads) == (1, 1)
+    assert tier.tier.stats.num_rejected_values == (damage == "overwritten")
+    live.close()
 
 
 def test_a_load_that_does_not_decode_loads_nothing(config: TierConfig) -> None:
     saved_blocks(config)
-    fetched = reader(config).fetch([K[0], K[1]])
     # A worker whose KV has other heads than the values: nothing of the order is loaded.
     target_kv, target = caches(seed=None, heads=HEADS + 1), store()
     tier = WorkerTier(config, target_kv, target)
-    assert not tier.load(target, LoadOrder("r", (5, 6), (K[0], K[1]), tuple(fetched)))
+    assert tier.load(target, LoadOrder("r", (5, 6), (K[0], K[1]))) == 0
     assert target.probe([5], [K[0]]) == 0
     assert not any(cache.any() for cache in target_kv.values())
     assert tier.stats.num_failed_loads == 1
     tier.close()
 
 
-def test_rows_over_a_failed_load_stamp_nothing_and_feed_no_prompt() -> None:
-    live = LiveStore(store(), max_results=4)
-    # "r" loaded blocks 1 and 2 (failed) and computes its tokens 8..9 in block 3.
-    plan = StepPlan(
-        caching=True,
-        requests=(PlannedRequest("r", 8, 2, (3,), (1, 2), (K[0], K[1])),),
-        prompt_requests={"r": 10},
-        cleared_block_ids=(3,),
-        loads=(LoadOrder("r", (1, 2), (K[0], K[1])),),
+def test_a_lookup_of_a_tier_that_is_down_is_a_miss_without_raising() -> None:
+    index = TierReader(TierConfig("redis://127.0.0.1:1/0", "down", "test"), ["hidden_states"])
+    assert index.held([K[0], K[1]]) == 0
+    stats = index.tier.stats
+    assert (stats.num_held_calls, stats.num_read_errors, stats.num_faults) == (1, 1, 1)
+    # Backing off: the next lookup does not ask.
+    assert index.held([K[0]]) == 0
+    assert index.tier.stats.num_skipped_calls == 1
+    index.close()
+
+
+def test_a_plan_carries_at_most_a_few_dozen_bytes_a_loaded_block() -> None:
+    import pickle
+
+    from omnicache.integrations.vllm.connector import OmniStepMetadata
+
+    def size(num_blocks: int) -> int:
+        keys = tuple(BlockHash(i.to_bytes(32, "big")) for i in range(num_blocks))
+        order = LoadOrder("request-0", tuple(range(1000, 1000 + num_blocks)), keys)
+        # NOTE: vLLM pickles the SchedulerOutput to its worker processes.
+        return len(pickle.dumps(OmniStepMetadata(StepPlan(caching=True, loads=(order,)))))
+
+    per_block = (size(257) - size(1)) / 256
+    # A 32-byte key and a block id: the values stay in Redis until the worker reads them.
+    assert 32 < per_block <= 64
+
+
+def test_a_tier_without_the_recompute_policy_is_refused_at_start() -> None:
+    from types import SimpleNamespace
+
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from omnicache.integrations.vllm.connector import OmniStoreConnector
+
+    def config(**transfer: object) -> SimpleNamespace:
+        return SimpleNamespace(
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="OmniStoreConnector",
+                kv_role="kv_both",
+                kv_connector_extra_config={"tier_url": "redis://h:1/0", "tier_namespace": "n"},
+                **transfer,
+            ),
+            cache_config=SimpleNamespace(enable_prefix_caching=True),
+            speculative_config=None,
+            parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        )
+
+    with pytest.raises(
+        ValueError,
+        match=r"expected kv_load_failure_policy='recompute' with a tier \(tier_url\).*found 'fail'",
+    ):
+        OmniStoreConnector(config(), KVConnectorRole.SCHEDULER, None)
+    connector = OmniStoreConnector(
+        config(kv_load_failure_policy="recompute"), KVConnectorRole.SCHEDULER, None
     )
-    live.begin(plan)
-    live.fail_loads(["r"])
-    slots = torch.from_numpy(np.array([12, 13], dtype=np.int64))
-    assert live.apply(plan, ["r"], torch.ones(2, HIDDEN), slots) == {}
-    stats = live.stats
-    assert (stats.num_failed_load_requests, stats.num_hit_requests, stats.num_prompt_results) == (
-        1,
-        0,
-        0,
-    )
-    assert stats.num_cleared_blocks == 1  # begun once, not again by apply
-    # vLLM recomputes "r" from its first loaded block: the whole prompt, rows stamped.
-    again = StepPlan(
-        caching=True,
-        requests=(PlannedRequest("r", 0, 10, (1, 2, 3)),),
-        block_keys={1: K[0], 2: K[1]},
-    )
-    rows = torch.arange(10 * HIDDEN, dtype=torch.float32).reshape(10, HIDDEN)
-    slots = torch.from_numpy(np.array([4, 5, 6, 7, 8, 9, 10, 11, 12, 13], dtype=np.int64))
-    assert live.apply(again, ["r"], rows, slots) == {1: K[0], 2: K[1]}
-    assert torch.equal(live.take(["r"])["r"], rows)  # type: ignore[arg-type]
+    assert connector.tier == TierConfig("redis://h:1/0", "n", "omnicache")

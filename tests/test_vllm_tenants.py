@@ -262,6 +262,7 @@ try:
             "kv_connector": "OmniStoreConnector",
             "kv_connector_module_path": "omnicache.integrations.vllm.connector",
             "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
                 "tier_url": "redis://127.0.0.1:9/0", "tier_namespace": "tp2",
             },

@@ -35,6 +35,9 @@ class TierStats:
     num_dropped_values: int = 0
     # Values lost to a failed write (server down, slow, restarted).
     num_write_errors: int = 0
+    # `count_held` calls, and the leading blocks they found every entry of.
+    num_held_calls: int = 0
+    num_held_blocks: int = 0
     # `get` calls, the blocks they asked for, and the leading blocks found whole.
     num_get_calls: int = 0
     num_get_blocks: int = 0
@@ -44,7 +47,7 @@ class TierStats:
     num_rejected_values: int = 0
     # `get` calls that failed (server down, slow, restarted): a miss.
     num_read_errors: int = 0
-    # `get` calls answered as a miss without asking: the tier was backing off
+    # `get` and `count_held` calls answered as a miss without asking: the tier was backing off
     # after a fault.
     num_skipped_calls: int = 0
     # Faults seen (reads and writes), and recoveries after them.

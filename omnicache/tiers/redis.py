@@ -12,7 +12,9 @@ reused buffer and queues it; a writer thread computes the checksums and sends
 the values in pipelines of up to ``batch_bytes``, starting while `put` still
 copies the rest. Reads go through: `get` asks for every entry of a run of
 keys in one MGET (of about ``read_batch_bytes``, the next one only if this one
-came back whole) and serves the leading blocks whose values all verify.
+came back whole) and serves the leading blocks whose values all verify;
+`count_held` asks only which leading blocks exist (``EXISTS``), for a
+scheduler that decides what to load without moving the values.
 
 Every value stands alone (no index, no set of members), so Redis may expire
 (``ttl_s``) or evict (``maxmemory`` with an ``allkeys-*`` policy) any of them:
@@ -264,6 +266,53 @@ class RedisTier:
                 num_dropped,
                 self.max_pending_bytes,
             )
+
+    def count_held(
+        self, keys: Sequence[BlockHash], entries: Sequence[str], *, chunk_blocks: int = 256
+    ) -> int:
+        """How many leading blocks of ``keys`` have every entry in the server; never raises.
+
+        Asks only whether the values exist (``EXISTS``, a few bytes a value),
+        in pipelines of ``chunk_blocks`` blocks, the next one only if this one
+        was held whole. A block held now may be gone (or fail to verify) when
+        it is read: a count is a promise to try, never a hit.
+        """
+        check_int("chunk_blocks", chunk_blocks, minimum=1)
+        with self._cv:
+            self._stats.num_held_calls += 1
+            if self._clock() < self._down_until:
+                self._stats.num_skipped_calls += 1
+                return 0
+        if not keys or not entries:
+            return 0
+        held = 0
+        for start in range(0, len(keys), chunk_blocks):
+            chunk = keys[start : start + chunk_blocks]
+            pipe = self.client.pipeline(transaction=False)
+            for key in chunk:
+                for name in entries:
+                    # NOTE: one key a command: a cluster routes each to its slot.
+                    pipe.exists(value_key(self.prefix, self.namespace, key, name))
+            try:
+                found = pipe.execute()
+            except (redis.RedisError, OSError) as exc:
+                self._fault(exc, "lookup")
+                with self._cv:
+                    self._stats.num_read_errors += 1
+                return 0
+            self._recovered()
+            num = len(entries)
+            whole = 0
+            for index in range(len(chunk)):
+                if not all(found[index * num : (index + 1) * num]):
+                    break
+                whole += 1
+            held += whole
+            if whole < len(chunk):
+                break
+        with self._cv:
+            self._stats.num_held_blocks += held
+        return held
 
     def get(
         self, keys: Sequence[BlockHash], entries: Sequence[EntrySpec], block_size: int

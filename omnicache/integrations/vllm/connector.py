@@ -12,34 +12,38 @@ by the worker), and what it knows itself is the configuration:
 - scheduler side: ``build_connector_meta`` returns an `OmniStepMetadata` with
   the step's plan (with prefix caching off and vLLM's own scheduler, the
   rows of every scheduled request, nothing stamped: `plan.uncached_plan`);
-  ``get_num_new_matched_tokens``, ``update_state_after_alloc`` and
-  ``update_connector_output`` are the tier's (no external tokens without
-  one); ``request_finished`` never delays a free, and returns
+  ``get_num_new_matched_tokens`` (external tokens, loaded asynchronously),
+  ``update_state_after_alloc`` and ``update_connector_output`` are the
+  tier's (no external tokens without one); ``request_finished`` delays a
+  free only while a tier load still holds the request's blocks, and returns
   ``{"omnicache_request_id": <engine core id>}`` as the request's
   ``kv_transfer_params`` when it asked for its prompt's hidden states, which
   is how the caller learns the id the worker knows (vLLM 0.32 appends a
   random suffix to the id a caller gives), with the scheduler side's own
   parameters (``omnicache_external_tokens`` with a tier);
 - worker side: ``register_kv_caches`` keeps vLLM's KV caches for the worker;
-  ``start_load_kv`` (before the forward pass) hands the step's plan to the
-  worker side, which clears stamps and loads the tier's blocks, and
-  ``get_block_ids_with_load_errors`` reports the blocks that did not load.
+  ``start_load_kv`` hands the step's plan to the worker side, which clears
+  stamps and loads the tier's blocks; ``get_finished`` reports every load of
+  the step done and ``get_block_ids_with_load_errors`` the blocks that did
+  not load (vLLM recomputes them).
 
 Configuration: ``kv_transfer_config={"kv_connector": "OmniStoreConnector",
 "kv_connector_module_path": "omnicache.integrations.vllm.connector",
 "kv_role": "kv_both"}``; ``kv_connector_extra_config`` may set
 ``max_prompt_results`` (see the worker) and the tier (``tier_url``,
-``tier_namespace``, ``tier_prefix``: `tier.tier_config`). What cannot be
-served exactly is refused here, at start: speculative decoding, a tier
-without prefix caching or with tensor parallelism, pipeline parallelism.
+``tier_namespace``, ``tier_prefix``: `tier.tier_config`; a tier needs
+``kv_load_failure_policy="recompute"``). What cannot be served exactly is
+refused here, at start: speculative decoding, a tier without prefix caching,
+without the recompute policy or with tensor parallelism, pipeline
+parallelism.
 
 What a connector changes in vLLM 0.32 (``vllm/config/vllm.py``,
 ``vllm/v1/core/sched/scheduler.py``): the hybrid KV cache manager is turned
 off (the live path follows one full-attention group), each attention layer
 calls the connector's no-op per-layer hooks, a step with no tokens still
 binds the metadata, and role ``kv_both`` makes vLLM hand each finished
-request's block ids to ``request_finished`` (which never delays their
-free) and defer frees only with several batches in flight (async
+request's block ids to ``request_finished`` (which delays their free only
+while a tier load holds them) and defer frees only with several batches in flight (async
 scheduling, which vLLM turns off on CPU).
 
 Importing this module needs vLLM 0.32 or 0.33.
@@ -130,6 +134,13 @@ class OmniStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             raise ValueError(
                 f"{CONNECTOR_NAME}: expected prefix caching on with a tier (tier_url), found it off"
             )
+        policy = getattr(transfer, "kv_load_failure_policy", None)
+        if self.tier is not None and policy != "recompute":
+            raise ValueError(
+                f"{CONNECTOR_NAME}: expected kv_load_failure_policy='recompute' with a tier "
+                "(tier_url): a value evicted from Redis between the lookup and the load is "
+                f"then recomputed, not an error for the request; found {policy!r}"
+            )
         if role == KVConnectorRole.SCHEDULER:
             # NOTE: the scheduler's connector is built in the engine core's
             # process (the caller's, in process), where a refusal reaches the
@@ -139,6 +150,7 @@ class OmniStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._scheduler_side: SchedulerSide | None = None
         self._worker_side: WorkerSide | None = None
         self._load_errors: set[int] = set()
+        self._loads_done: set[str] = set()
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -172,6 +184,12 @@ class OmniStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 "side (worker_cls must be omnicache's worker)"
             )
         self._load_errors.update(self._worker_side.start_step(metadata.plan))
+        # NOTE: every load runs to its end in the step that orders it.
+        self._loads_done.update(order.req_id for order in metadata.plan.loads)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done, self._loads_done = self._loads_done, set()
+        return None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -201,7 +219,10 @@ class OmniStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> tuple[int, bool]:
         if self._scheduler_side is None:
             return 0, False
-        return self._scheduler_side.num_external_tokens(request, num_computed_tokens), False
+        num = self._scheduler_side.num_external_tokens(request, num_computed_tokens)
+        # NOTE: loaded asynchronously: the request waits until its load is done, so it
+        # reaches the worker with the data of every multimodal item it must recompute.
+        return num, num > 0
 
     def update_state_after_alloc(
         self, request: Request, blocks: Any, num_external_tokens: int
@@ -211,9 +232,12 @@ class OmniStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._scheduler_side.on_external_allocated(request, block_ids, num_external_tokens)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        invalid = getattr(connector_output, "invalid_block_ids", None)
-        if invalid and self._scheduler_side is not None:
-            self._scheduler_side.on_load_errors(sorted(invalid))
+        if self._scheduler_side is None:
+            return
+        done = getattr(connector_output, "finished_recving", None) or ()
+        invalid = getattr(connector_output, "invalid_block_ids", None) or ()
+        if done or invalid:
+            self._scheduler_side.on_loads_done(sorted(done), sorted(invalid))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OmniStepMetadata:
         if self._scheduler_side is not None:
@@ -230,11 +254,13 @@ class OmniStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         params: dict[str, Any] = {}
+        delay = False
         if asks(request.request_id, request.sampling_params):
             params[REQUEST_ID_PARAM] = request.request_id
         if self._scheduler_side is not None:
-            params.update(self._scheduler_side.finished(request))
-        return False, params or None
+            delay, more = self._scheduler_side.finished(request)
+            params.update(more)
+        return delay, params or None
 
 
 def _check_parallel(parallel_config: Any, *, tier: bool) -> None:

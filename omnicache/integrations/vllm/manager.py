@@ -45,18 +45,11 @@ the end (vLLM's priority preemption can take back a request already
 scheduled) is undone in both. The worker still verifies every hit it reads:
 a table that runs ahead of it costs a counted stale hit, never wrong rows.
 
-Blocks loaded from a tier (`StoreMirror.on_loaded`, from the connector's
-``update_state_after_alloc``) are stamped when vLLM allocates them, in the
-step whose plan orders their load: the worker loads them in that step's
-``start_load_kv``, before the forward pass and before the step's reads, so by
-the time any request reads them (the loading request itself, or one
-scheduled later in the same step or after) the worker holds them. They
-extend the loading request's hit in the plan (local hit, then loaded
-blocks). A load the worker could not serve whole loads nothing: vLLM learns
-its block ids after the step (``get_block_ids_with_load_errors``) and
-recomputes the request from the first of them; `StoreMirror.on_load_errors`
-then clears those blocks here and, through the next plan, in the worker
-(which never stamped them).
+Blocks loaded from a tier (docs/architecture.md, "Hidden states in a live
+engine"): the lookup asks only which blocks exist; `StoreMirror.on_loaded`
+stamps them when vLLM allocates them and the plan orders their load while
+vLLM holds the request; `StoreMirror.on_loads_done` clears the blocks that
+did not load, and the request's first scheduled step carries its hit.
 
 Hybrid models (docs/architecture.md, "Hybrid models and finer hash
 blocks"): the rows follow one full-attention group's block ids
@@ -795,14 +788,14 @@ class StoreMirror:
         self._block_size = manager.group.block_size
         self.table = WorkerTable(manager.block_pool.num_gpu_blocks, self._block_size)
         self._allocated: dict[str, _Allocation] = {}
-        # Request id -> what the step loads for it from a tier.
+        # Request id -> its load, ordered in the step being scheduled.
         self._loaded: dict[str, LoadOrder] = {}
+        # Loads ordered and not yet reported done by the worker.
+        self._loading: set[str] = set()
+        # Request id -> its loaded blocks, until its first scheduled step.
+        self._external_hits: dict[str, LoadOrder] = {}
         self._cleared: dict[int, None] = {}
         self._reset = False
-        # Per request, (first block, keys, values) of its last tier lookup,
-        # and the external tokens of its first admission.
-        self._lookups: dict[str, tuple[int, list[BlockHash], list[tuple[bytes, ...]]]] = {}
-        self._external: dict[str, int] = {}
         manager._follow(self)
 
     # -- the connector's scheduler side ---------------------------------------------------
@@ -816,48 +809,71 @@ class StoreMirror:
         )
 
     def num_external_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        """The further full blocks of the key chain the tier holds whole, fetched and verified.
+        """The further full blocks of the key chain the tier holds (`TierReader.num_blocks`).
 
         Never the prompt's last token: vLLM must compute one.
         """
         if self._reader is None:
             return 0
         size = self._block_size
-        first = num_computed_tokens // size
-        last = (request.num_tokens - 1) // size
-        keys = list(request.block_hashes[first:last])
-        values = self._reader.fetch(keys)
-        self._lookups[request.request_id] = (first, keys[: len(values)], values)
-        return len(values) * size
+        keys = request.block_hashes[: int(request.num_tokens - 1) // size]
+        return self._reader.num_blocks(request.request_id, keys, num_computed_tokens // size) * size
 
     def on_external_allocated(
         self, request: Any, block_ids: Sequence[int], num_external_tokens: int
     ) -> None:
-        """Stamps the blocks vLLM gave a request's external tokens (`on_loaded`)."""
-        lookup = self._lookups.pop(request.request_id, None)
-        self._external.setdefault(request.request_id, num_external_tokens)
-        if num_external_tokens == 0:
-            return
+        """Orders the load of the blocks vLLM gave a request's external tokens (`on_loaded`)."""
         size = self._block_size
-        if (
-            lookup is None
-            or num_external_tokens % size
-            or num_external_tokens // size > len(lookup[1])
-        ):
+        if num_external_tokens % size or (num_external_tokens and self._reader is None):
             raise RuntimeError(
-                f"request {request.request_id}: expected at most "
-                f"{0 if lookup is None else len(lookup[1]) * size} external tokens in whole "
-                f"blocks (its lookup), found {num_external_tokens}"
+                f"request {request.request_id}: expected external tokens in whole blocks of "
+                f"the tier, found {num_external_tokens}"
             )
-        first, keys, values = lookup
+        if self._reader is None:
+            return
         num = num_external_tokens // size
-        self.on_loaded(request.request_id, block_ids[first : first + num], keys[:num], values[:num])
+        first, keys = self._reader.allocated(request.request_id, num)
+        if num:
+            self.on_loaded(request.request_id, block_ids[first : first + num], keys)
 
-    def finished(self, request: Any) -> dict[str, Any]:
-        """``{"omnicache_external_tokens": n}`` with a tier: its first admission's loaded tokens."""
-        self._lookups.pop(request.request_id, None)
-        external = self._external.pop(request.request_id, 0)
-        return {} if self._reader is None else {EXTERNAL_TOKENS_PARAM: external}
+    def on_loads_done(self, req_ids: Iterable[str], failed_block_ids: Iterable[int]) -> None:
+        """The worker ran these requests' loads; the blocks that did not load lose their stamps.
+
+        A request whose load failed keeps as its hit the blocks before the
+        first that failed, and never asks the tier again.
+        """
+        self._loading.difference_update(req_ids)
+        failed = set(failed_block_ids)
+        if not failed:
+            return
+        ids = sorted(failed)
+        self.table.clear(ids)
+        for block_id in ids:
+            self._cleared[block_id] = None
+        for req_id, order in list(self._external_hits.items()):
+            index = next((i for i, b in enumerate(order.block_ids) if b in failed), None)
+            if index is None:
+                continue
+            if self._reader is not None:
+                self._reader.failed(req_id, index)
+            self._external_hits[req_id] = LoadOrder(
+                req_id, order.block_ids[:index], order.block_keys[:index]
+            )
+
+    def finished(self, request: Any) -> tuple[bool, dict[str, Any]]:
+        """Whether a load holds its blocks; with a tier, ``{"omnicache_external_tokens": n}``."""
+        req_id = request.request_id
+        unread = self._external_hits.pop(req_id, None)
+        if unread is not None:
+            # NOTE: loaded for a request that ended before it ran: vLLM may
+            # never cache them, so no reuse would clear their stamps. The
+            # worker clears them in the next plan, after the load.
+            self.table.clear(unread.block_ids)
+            self._cleared.update(dict.fromkeys(unread.block_ids))
+        if self._reader is None:
+            return req_id in self._loading, {}
+        external = self._reader.finished(req_id) * self._block_size
+        return req_id in self._loading, {EXTERNAL_TOKENS_PARAM: external}
 
     def close(self) -> None:
         if self._reader is not None:
@@ -894,34 +910,17 @@ class StoreMirror:
             self._cleared[block_id] = None
 
     def on_loaded(
-        self,
-        request_id: str,
-        block_ids: Sequence[int],
-        block_keys: Sequence[BlockHash],
-        values: Sequence[tuple[bytes, ...]],
+        self, request_id: str, block_ids: Sequence[int], block_keys: Sequence[BlockHash]
     ) -> None:
-        """Stamps blocks the worker will load from a tier in this step (see the module).
-
-        ``values``: per block, its tier values, which the plan carries to the worker.
-        """
-        if not len(block_ids) == len(block_keys) == len(values):
+        """Stamps blocks the worker will load from a tier in this step (see the module)."""
+        if len(block_ids) != len(block_keys):
             raise ValueError(
-                f"block_keys, values: expected {len(block_ids)} of each (one per block), "
-                f"found {len(block_keys)} and {len(values)}"
+                f"block_keys: expected {len(block_ids)} (one per block), found {len(block_keys)}"
             )
         self.table.stamp_blocks(block_ids, block_keys)
-        self._loaded[request_id] = LoadOrder(
-            request_id, tuple(block_ids), tuple(block_keys), tuple(values)
-        )
-
-    def on_load_errors(self, block_ids: Iterable[int]) -> None:
-        """Clears the stamps of blocks whose load (or computation over it) failed."""
-        ids = list(dict.fromkeys(block_ids))
-        if not ids:
-            return
-        self.table.clear(ids)
-        for block_id in ids:
-            self._cleared[block_id] = None
+        order = LoadOrder(request_id, tuple(block_ids), tuple(block_keys))
+        self._loaded[request_id] = order
+        self._external_hits[request_id] = order
 
     # -- planning -------------------------------------------------------------------
 
@@ -938,34 +937,40 @@ class StoreMirror:
         step's writes.
         """
         requests: list[PlannedRequest] = []
-        loads: list[LoadOrder] = []
         block_keys: dict[int, BlockHash] = {}
         undone: dict[int, None] = {}
+        size = self._block_size
         for req_id, start, num_new in scheduled:
             allocation = self._allocated.pop(req_id, None)
-            load = self._loaded.pop(req_id, None)
-            if load is not None:
-                # NOTE: a scheduled request's external tokens count as
-                # computed in vLLM: their KV is loaded whatever the rows' plan.
-                loads.append(load)
+            external = self._external_hits.pop(req_id, None)
             if allocation is None or (allocation.start, allocation.num_new) != (start, num_new):
                 if allocation is not None:
                     undone.update(dict.fromkeys(allocation.block_ids))
                 requests.append(PlannedRequest(req_id, start, num_new))
                 continue
             hit_ids, hit_keys = self._manager.hit_blocks(req_id)
-            if load is not None:
-                hit_ids, hit_keys = hit_ids + load.block_ids, hit_keys + load.block_keys
-            if start != len(hit_ids) * self._block_size:
+            if external is not None:
+                hit_ids, hit_keys = hit_ids + external.block_ids, hit_keys + external.block_keys
+            # NOTE: vLLM takes as computed a prefix of the hit: all of it, or,
+            # after a failed load, the blocks before the first that failed.
+            num_hit = start // size
+            if start % size or num_hit > len(hit_ids):
                 hit_ids, hit_keys = (), ()
             requests.append(
-                PlannedRequest(req_id, start, num_new, allocation.block_ids, hit_ids, hit_keys)
+                PlannedRequest(
+                    req_id,
+                    start,
+                    num_new,
+                    allocation.block_ids,
+                    hit_ids[:num_hit],
+                    hit_keys[:num_hit],
+                )
             )
             block_keys.update(allocation.block_keys)
         for allocation in self._allocated.values():
             undone.update(dict.fromkeys(allocation.block_ids))
-        for unscheduled in self._loaded.values():
-            undone.update(dict.fromkeys(unscheduled.block_ids))
+        loads = list(self._loaded.values())
+        self._loading.update(self._loaded)
         if undone:
             self.table.clear(undone)
         plan = StepPlan(

@@ -13,7 +13,7 @@ and protocols: no vLLM, no torch.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -67,14 +67,15 @@ class PlannedRequest:
 
 @dataclass(frozen=True, slots=True)
 class LoadOrder:
-    """Blocks of one request to fill from a tier before the step's forward pass."""
+    """Blocks of one waiting request for the worker to fill from a tier (values not included).
+
+    The request is not in the step: vLLM holds it until the worker reports
+    the load done (``get_finished``), with the blocks that did not load.
+    """
 
     req_id: str
     block_ids: tuple[int, ...]
     block_keys: tuple[BlockHash, ...]
-    # Per block, its tier values (one per tier entry, in the entries' order),
-    # fetched and verified by the scheduler.
-    values: tuple[tuple[bytes, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +84,7 @@ class StepPlan:
 
     The worker applies a plan in this order: ``reset`` and
     ``cleared_block_ids`` (blocks vLLM handed out again or dropped the key
-    of), ``loads`` (before the forward pass), the step's rows (stamping the
+    of), ``loads`` (blocks of requests the step does not compute), the step's rows (stamping the
     full blocks of ``block_keys`` they complete), ``invalidated_block_ids``
     (allocations the scheduler did not schedule after all), then the reads
     of hits.
@@ -102,8 +103,8 @@ class StepPlan:
     invalidated_block_ids: tuple[int, ...] = ()
     # Requests that finished (or were aborted) since the previous step.
     finished_req_ids: tuple[str, ...] = ()
-    # Blocks to fill from a tier before the forward pass (each also part of
-    # its request's hit).
+    # Blocks of waiting requests to fill from a tier (each then part of its
+    # request's hit, in the step that first schedules it).
     loads: tuple[LoadOrder, ...] = ()
 
 
@@ -195,12 +196,14 @@ class SchedulerSide(Protocol):
         """vLLM gave the external tokens blocks (``update_state_after_alloc``)."""
         ...
 
-    def on_load_errors(self, block_ids: Sequence[int]) -> None:
-        """The worker could not load these blocks (``update_connector_output``)."""
+    def on_loads_done(self, req_ids: Iterable[str], failed_block_ids: Iterable[int]) -> None:
+        """The worker finished these requests' loads, these blocks not loaded
+        (``update_connector_output``)."""
         ...
 
-    def finished(self, request: Any) -> dict[str, Any]:
-        """The request's ``kv_transfer_params`` besides its id (``request_finished``)."""
+    def finished(self, request: Any) -> tuple[bool, dict[str, Any]]:
+        """Whether a load still holds the request's blocks, and its ``kv_transfer_params``
+        besides its id (``request_finished``)."""
         ...
 
     def close(self) -> None: ...
@@ -210,7 +213,11 @@ class WorkerSide(Protocol):
     """What the connector's worker side hands to omnicache's worker (`worker.LiveStore`)."""
 
     def start_step(self, plan: StepPlan) -> set[int]:
-        """Before the forward pass: clears, then loads; the blocks that did not load."""
+        """Clears stamps, then runs the plan's loads; the blocks that did not load.
+
+        Called by vLLM around the step's forward pass (after it, when the step
+        has no synchronous load), always before the step's rows are applied.
+        """
         ...
 
     def close(self) -> None: ...

@@ -6,21 +6,26 @@ a row there. So the tier keeps, per block key, one value per entry:
 ``hidden_states`` (the block's final hidden rows) and ``kv.<layer name>`` (the
 block's keys and values of that attention layer, token-major), each in the
 tier's checked format (`omnicache.tiers.codec`: version, dtype, shape, key
-stamp and checksum verified on every load).
+stamp and checksum verified on every load). One Redis client implementation
+serves both sides (`omnicache.tiers.redis.RedisTier`).
 
-- Scheduler side, `TierReader`: at the lookup, the further blocks of a
-  request's key chain are read (one ``MGET``) and verified; the leading
-  blocks held whole are the external hit, and their values travel to the
-  worker in the step's plan (`LoadOrder`). Fetching at the lookup is what
-  makes a load unable to miss: vLLM 0.32 strips from the worker's copy of a
-  request the multimodal data of items inside its computed prefix (local and
-  external), so a request whose load failed after the lookup could not be
-  recomputed (its image's encoder has no input): the engine stops.
-- Worker side, `WorkerTier`: `WorkerTier.load` decodes a request's values
-  again against the worker's own KV caches (all of them, or none), copies
-  their KV into vLLM's paged cache and their hidden rows into the store,
-  stamped with their keys; `WorkerTier.save` writes behind (`RedisTier`) the
-  KV and hidden rows of the blocks a step stamped.
+- Scheduler side, `TierReader`: at the lookup, asks Redis only which further
+  blocks of a request's key chain exist (``EXISTS``: a few bytes a value),
+  once per waiting request. Those blocks are vLLM's external tokens, loaded
+  asynchronously: the request waits (vLLM's ``WAITING_FOR_REMOTE_KVS``) while
+  the step's plan carries the load to the worker (`LoadOrder`: request id,
+  block ids and keys, about 40 bytes a block; no value crosses the engine
+  core).
+- Worker side, `WorkerTier`: `WorkerTier.load` fetches the blocks (MGET),
+  verifies them against the worker's own KV caches and store, copies the KV
+  of the leading blocks that verify into vLLM's paged cache and their hidden
+  rows into the store, stamped with their keys; a block gone or damaged since
+  the lookup ends the load there, and its blocks go back to vLLM as load
+  errors (``kv_load_failure_policy="recompute"``): vLLM recomputes the
+  request from the first one. Because the load finishes before the request
+  is first sent to the worker, the worker's copy of a multimodal request
+  keeps the data of every item it must recompute. `WorkerTier.save` writes
+  behind the KV and hidden rows of the blocks a step stamped.
 
 Configuration, in ``kv_connector_extra_config`` (`tier_config`):
 ``tier_url`` (``redis://host:port/db``), ``tier_namespace`` (engines share
@@ -32,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +47,7 @@ from omnicache.block_hash import BlockHash
 from omnicache.checks import type_name
 from omnicache.integrations.vllm.plan import LoadOrder
 from omnicache.store import HIDDEN_STATES, EntrySpec, TensorStore, TierBlock
-from omnicache.tiers import codec
-from omnicache.tiers.base import check_key_part, decode_run, value_key
+from omnicache.tiers.base import check_key_part
 
 __all__ = [
     "KV_ENTRY_PREFIX",
@@ -54,7 +58,6 @@ __all__ = [
     "TierReader",
     "TierStats",
     "WorkerTier",
-    "decode_blocks",
     "entry_specs",
     "tier_config",
     "tier_reader",
@@ -113,71 +116,85 @@ def tier_config(extra: Mapping[str, Any] | None) -> TierConfig | None:
 
 
 class TierReader:
-    """The scheduler's side of the tier: fetches and verifies the blocks a request can load.
+    """The scheduler's side of the tier: which further blocks of a request's chain Redis holds.
 
-    A lookup reads every entry of the candidate blocks (``MGET``) and keeps
-    the leading blocks whose values all verify against the layout the
-    engine's KV cache and model give (`omnicache.tiers.codec`); their values
-    travel to the worker in the step's plan. So the worker's load cannot
-    miss: a block evicted from Redis after the lookup was fetched already.
+    Asks only whether each block's every entry exists (`RedisTier.count_held`),
+    once per waiting request (a request vLLM could not admit yet is answered
+    from its lookup); the worker fetches and verifies the values when it
+    loads them. A request whose load failed gets no external tokens again.
 
     Args:
         config: the tier.
-        entries: the entries of one block (`entry_specs`).
-        block_size: tokens per block.
+        entry_names: the entries of one block (`entry_specs`' names).
     """
 
-    def __init__(self, config: TierConfig, entries: Sequence[EntrySpec], block_size: int) -> None:
-        import redis
+    def __init__(self, config: TierConfig, entry_names: Sequence[str]) -> None:
+        from omnicache.tiers.redis import RedisTier
 
+        if not entry_names:
+            raise ValueError("entry_names: expected the entries of a block, found none")
         self.config = config
-        self.entries = tuple(entries)
-        self.block_size = block_size
-        # NOTE: a slow server costs one timeout and is then a miss (see RedisTier.from_url).
-        self.client = redis.Redis.from_url(
-            config.url, socket_timeout=0.5, socket_connect_timeout=0.5
-        )
-        self._faults: tuple[type[Exception], ...] = (redis.RedisError, OSError)
-        self.num_lookups = 0
-        self.num_errors = 0
-        self.num_rejected_values = 0
+        self.entry_names = tuple(entry_names)
+        self.tier = RedisTier.from_url(config.url, namespace=config.namespace, prefix=config.prefix)
+        # Per waiting request: (first block, keys held from there) of its
+        # lookup, and the first block vLLM last asked after.
+        self._lookups: dict[str, tuple[int, list[BlockHash], int]] = {}
+        self._failed: set[str] = set()
+        # The tokens each request's first admission took from the tier.
+        self._external: dict[str, int] = {}
 
-    def fetch(self, keys: Sequence[BlockHash]) -> list[tuple[bytes, ...]]:
-        """The values of the leading ``keys`` held whole and verified, one tuple per block."""
-        if not keys:
-            return []
-        self.num_lookups += 1
-        config, entries = self.config, self.entries
-        names = [
-            value_key(config.prefix, config.namespace, k, e.name) for k in keys for e in entries
-        ]
-        try:
-            values: list[Any] = list(self.client.mget(names))
-        except self._faults as exc:
-            # NOTE: a tier that fails costs misses, never the engine.
-            self.num_errors += 1
-            _LOG.warning("tier lookup failed (%s: %s): no external hit", type(exc).__name__, exc)
-            return []
-        num = len(entries)
-        blocks: list[tuple[bytes | None, ...]] = [
-            tuple(values[i * num : (i + 1) * num]) for i in range(len(keys))
-        ]
-        run = decode_blocks(keys, entries, self.block_size, blocks, self._reject)
-        # NOTE: every value of a block in the run was found and verified.
-        return [tuple(bytes(value or b"") for value in blocks[i]) for i in range(len(run))]
+    def held(self, keys: Sequence[BlockHash]) -> int:
+        """How many leading ``keys`` the tier holds every entry of (0 while it is down)."""
+        return self.tier.count_held(keys, self.entry_names)
 
-    def _reject(self, index: int, spec: EntrySpec, why: codec.Rejection) -> None:
-        self.num_rejected_values += 1
-        _LOG.warning(
-            "tier: block %d's %s rejected (%s): a miss from there on", index, spec.name, why.value
-        )
+    def num_blocks(self, req_id: str, keys: Sequence[BlockHash], first: int) -> int:
+        """Blocks of ``keys`` (a request's chain, but its last token's) held from ``first`` on."""
+        if req_id in self._failed:
+            return 0
+        lookup = self._lookups.get(req_id)
+        if lookup is None or not lookup[0] <= first <= lookup[0] + len(lookup[1]):
+            chain = list(keys[first:])
+            lookup = (first, chain[: self.held(chain)], first)
+        start, held, _ = lookup
+        self._lookups[req_id] = (start, held, first)
+        return max(0, min(start + len(held), len(keys)) - first)
+
+    def allocated(self, req_id: str, num_blocks: int) -> tuple[int, list[BlockHash]]:
+        """vLLM gave ``num_blocks`` external blocks: the first one's index, and their keys.
+
+        Raises:
+            RuntimeError: more blocks than the request's last lookup found.
+        """
+        lookup = self._lookups.pop(req_id, None)
+        self._external.setdefault(req_id, num_blocks)
+        if num_blocks == 0:
+            return 0, []
+        if lookup is None or lookup[2] + num_blocks > lookup[0] + len(lookup[1]):
+            found = None if lookup is None else (lookup[0], len(lookup[1]))
+            raise RuntimeError(
+                f"request {req_id}: expected external blocks the tier holds (its lookup: "
+                f"{found}), found {num_blocks}"
+            )
+        start, held, first = lookup
+        return first, held[first - start : first - start + num_blocks]
+
+    def failed(self, req_id: str, num_loaded: int) -> None:
+        """The request's load stopped after ``num_loaded`` blocks: no more lookups for it."""
+        self._failed.add(req_id)
+        self._external[req_id] = num_loaded
+
+    def finished(self, req_id: str) -> int:
+        """Forgets the request; the blocks its first admission took from the tier."""
+        self._lookups.pop(req_id, None)
+        self._failed.discard(req_id)
+        return self._external.pop(req_id, 0)
 
     def close(self) -> None:
-        self.client.close()
+        self.tier.close()
 
 
 def tier_reader(config: TierConfig, vllm_config: Any, kv_cache_config: Any) -> TierReader:
-    """The scheduler's reader of ``config``'s tier, for the engine's KV cache and model.
+    """The scheduler's reader of ``config``'s tier, for the engine's KV cache.
 
     Raises:
         ValueError: the KV cache has more than one group (the tier keeps one).
@@ -186,30 +203,8 @@ def tier_reader(config: TierConfig, vllm_config: Any, kv_cache_config: Any) -> T
     if len(groups) != 1:
         raise ValueError(f"tier ({TIER_URL}): expected one KV cache group, found {len(groups)}")
     (group,) = groups
-    spec = group.kv_cache_spec
-    model_config = vllm_config.model_config
-    entries = entry_specs(
-        model_config.get_hidden_size(),
-        model_config.dtype,
-        dict.fromkeys(group.layer_names, (spec.num_kv_heads, 2 * spec.head_size)),
-        spec.dtype,
-    )
-    return TierReader(config, entries, int(vllm_config.cache_config.block_size))
-
-
-def decode_blocks(
-    keys: Sequence[BlockHash],
-    entries: Sequence[EntrySpec],
-    block_size: int,
-    blocks: Sequence[Sequence[bytes | None]],
-    on_reject: Callable[[int, EntrySpec, codec.Rejection], None],
-) -> list[Mapping[str, torch.Tensor]]:
-    """The rows of the leading blocks whose every value verifies (values in ``entries``' order)."""
-
-    def value_of(index: int, j: int) -> bytes | None:
-        return blocks[index][j] if index < len(blocks) else None
-
-    return decode_run(keys, entries, block_size, value_of, on_reject)
+    names = [HIDDEN_STATES, *(KV_ENTRY_PREFIX + name for name in sorted(group.layer_names))]
+    return TierReader(config, names)
 
 
 def entry_specs(
@@ -237,7 +232,8 @@ class TierStats:
 
     num_load_requests: int = 0
     num_loaded_blocks: int = 0
-    # Load orders the tier could not serve whole: nothing of them was loaded.
+    # Load orders the tier could not serve whole (their leading blocks that
+    # verified were loaded).
     num_failed_loads: int = 0
     num_saved_blocks: int = 0
     load_s: float = 0.0
@@ -296,34 +292,37 @@ class WorkerTier:
         self.tier = RedisTier.from_url(config.url, namespace=config.namespace, prefix=config.prefix)
         self.stats = TierStats()
 
-    def load(self, store: TensorStore, order: LoadOrder) -> bool:
-        """Fills ``order``'s blocks with the values it carries; all of them, or (False) none."""
+    def load(self, store: TensorStore, order: LoadOrder) -> int:
+        """Fetches ``order``'s blocks and fills the leading ones that verify; how many it filled.
+
+        A block missing or damaged in Redis (or of another layout) ends the
+        load there: the blocks from it on are not touched.
+        """
         start = time.perf_counter()
         self.stats.num_load_requests += 1
-
-        def reject(index: int, spec: EntrySpec, why: codec.Rejection) -> None:
-            _LOG.warning(
-                "tier: request %s, block %d's %s rejected (%s)",
-                order.req_id,
-                index,
-                spec.name,
-                why.value,
-            )
-
-        run = decode_blocks(order.block_keys, self.entries, self.block_size, order.values, reject)
-        if len(run) != len(order.block_ids):
-            self.stats.num_failed_loads += 1
-            self.stats.load_s += time.perf_counter() - start
-            return False
-        for block_id, rows in zip(order.block_ids, run, strict=True):
+        run = self.tier.get(order.block_keys, self.entries, self.block_size)
+        num = min(len(run), len(order.block_ids))
+        for block_id, rows in zip(order.block_ids[:num], run[:num], strict=True):
             for name, cache in self._layers:
                 # NOTE: token-major in the tier: (block_size, heads, 2 * head).
                 cache[block_id].copy_(rows[name].permute(1, 0, 2))
-        hidden = torch.cat([rows[HIDDEN_STATES] for rows in run])
-        store.write_blocks(HIDDEN_STATES, hidden, order.block_ids, block_keys=order.block_keys)
-        self.stats.num_loaded_blocks += len(order.block_ids)
+        if num:
+            hidden = torch.cat([rows[HIDDEN_STATES] for rows in run[:num]])
+            store.write_blocks(
+                HIDDEN_STATES, hidden, order.block_ids[:num], block_keys=order.block_keys[:num]
+            )
+        if num < len(order.block_ids):
+            self.stats.num_failed_loads += 1
+            _LOG.warning(
+                "tier: request %s: %d of %d blocks loaded (the rest gone or damaged since the "
+                "lookup); vLLM recomputes from there",
+                order.req_id,
+                num,
+                len(order.block_ids),
+            )
+        self.stats.num_loaded_blocks += num
         self.stats.load_s += time.perf_counter() - start
-        return True
+        return num
 
     def save(self, store: TensorStore, block_keys: Mapping[int, BlockHash]) -> None:
         """Writes behind the KV and hidden rows of stamped blocks (block id -> key)."""

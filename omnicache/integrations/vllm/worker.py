@@ -23,9 +23,11 @@ with prefix caching on, the `OmniScheduler`.
   blocks and block size holds a `HIDDEN_STATES` entry of the model's dtype
   on the CPU (its size: KV blocks x block size x hidden size values), kept
   by a `LiveStore`, the worker side the connector hands each step's plan to.
-- Before the forward pass (the connector's ``start_load_kv``),
-  `LiveStore.start_step` clears the stamps of blocks vLLM handed out again
-  and, with a tier, fills blocks from it; after the step, `LiveStore.apply`
+- In the connector's ``start_load_kv`` (which vLLM calls after launching the
+  forward pass when the step has no synchronous load, as is always the case
+  here), `LiveStore.start_step` clears the stamps of blocks vLLM handed out
+  again and, with a tier, fills the blocks of waiting requests from it;
+  after the step, `LiveStore.apply`
   writes the rows, verifies the step's hits, gathers the prompt rows of
   requests that asked and saves every block the step stamped to the tier.
   ``collective_rpc(FLUSH_METHOD)`` waits until they are written.
@@ -33,10 +35,9 @@ with prefix caching on, the `OmniScheduler`.
 How `LiveStore` applies a step's plan, in the plan's order:
 
 1. ``reset`` and ``cleared_block_ids``: stamps of blocks vLLM handed out again;
-2. ``loads``: blocks filled from the tier (KV and rows, stamped); a request
-   whose load failed was computed over KV that is not its own: its rows
-   stamp nothing and feed no prompt result, and its hit is not verified
-   (vLLM recomputes it from the failed block on);
+2. ``loads``: blocks filled from the tier (KV and rows, stamped), of
+   requests vLLM holds back until the load is done: a load stops at the first
+   block gone or damaged, and vLLM recomputes the request from there;
 3. the step's rows, written at the forward pass's own slot mapping (the KV
    cache's slots), stamped with the plan's keys when the slots are those the
    scheduler planned (otherwise written without keys: nothing stamped);
@@ -153,8 +154,6 @@ class LiveStoreStats:
     num_stale_hit_blocks: int = 0
     # Steps whose slot mapping differed from the scheduler's plan.
     num_slot_mismatches: int = 0
-    # Requests whose rows were dropped: their tier load failed.
-    num_failed_load_requests: int = 0
     num_prompt_results: int = 0
     num_prompt_failures: int = 0
     num_results_dropped: int = 0
@@ -217,7 +216,6 @@ class LiveStore:
         self._results: OrderedDict[str, torch.Tensor | None] = OrderedDict()
         self._stats = LiveStoreStats()
         self._begun: StepPlan | None = None
-        self._failed: set[str] = set()
 
     @property
     def stats(self) -> LiveStoreStats:
@@ -229,7 +227,6 @@ class LiveStore:
         if self._begun is plan:
             return
         self._begun = plan
-        self._failed.clear()
         store = self.store
         if plan.reset:
             store.invalidate_all()
@@ -239,17 +236,13 @@ class LiveStore:
         for req_id, num_tokens in plan.prompt_requests.items():
             self._prompts[req_id] = _Prompt(num_tokens)
 
-    def fail_loads(self, req_ids: Iterable[str]) -> None:
-        """Marks requests of the begun step whose tier load failed (see the module)."""
-        self._failed.update(req_ids)
-
     def start_step(self, plan: StepPlan) -> set[int]:
-        """Before the forward pass: `begin`, then the plan's tier loads.
+        """`begin`, then the plan's tier loads (of waiting requests, none in this step).
 
         Returns:
-            The blocks vLLM must take as not loaded: those of each load that
-            failed and those the step computes for its request (vLLM then
-            recomputes the request under ``kv_load_failure_policy="recompute"``).
+            The blocks vLLM must take as not loaded: in each load, those from
+            the first block that did not verify on (vLLM recomputes its
+            request from there under ``kv_load_failure_policy="recompute"``).
         """
         # NOTE: cleared stamps first: a block handed out again and filled now
         # must keep the stamp its load gives it.
@@ -260,24 +253,10 @@ class LiveStore:
             raise RuntimeError(
                 f"{CONNECTOR_NAME}: a step orders tier loads, found no tier in the worker"
             )
-        by_id = {item.req_id: item for item in plan.requests}
-        failed: list[str] = []
         errors: set[int] = set()
         for order in plan.loads:
-            if self.tier.load(self.store, order):
-                continue
-            failed.append(order.req_id)
-            errors.update(order.block_ids)
-            item = by_id.get(order.req_id)
-            if item is not None:
-                errors.update(item.block_ids)
-        if failed:
-            self.fail_loads(failed)
-            _LOG.warning(
-                "tier: %d load(s) not served whole (requests %s); vLLM recomputes them",
-                len(failed),
-                failed,
-            )
+            num = self.tier.load(self.store, order)
+            errors.update(order.block_ids[num:])
         return errors
 
     def close(self) -> None:
@@ -311,20 +290,18 @@ class LiveStore:
         store = self.store
         self._stats.num_steps += 1
         self.begin(plan)
-        failed, self._failed = set(self._failed), set()
         self._begun = None
-        self._stats.num_failed_load_requests += len(failed)
         batch: list[PlannedRequest] = []
         stamped: dict[int, BlockHash] = {}
         if hidden_states is not None and plan.requests:
             batch = self._batch(plan, batch_order)
-            stamped = self._write(plan, batch, hidden_states, slot_mapping, failed)
+            stamped = self._write(plan, batch, hidden_states, slot_mapping)
         if plan.invalidated_block_ids:
             store.invalidate(plan.invalidated_block_ids)
             for block_id in plan.invalidated_block_ids:
                 stamped.pop(block_id, None)
         if batch and hidden_states is not None:
-            self._read(batch, hidden_states, failed)
+            self._read(batch, hidden_states)
         for req_id in plan.finished_req_ids:
             if self._prompts.pop(req_id, None) is not None:
                 self._stats.num_incomplete_dropped += 1
@@ -362,7 +339,6 @@ class LiveStore:
         batch: list[PlannedRequest],
         hidden_states: torch.Tensor,
         slot_mapping: torch.Tensor | None,
-        failed: set[str],
     ) -> dict[int, BlockHash]:
         if not plan.caching:
             return {}
@@ -372,11 +348,6 @@ class LiveStore:
         slots = slot_mapping[:num_rows].to("cpu", torch.int64).numpy()
         planned = planned_slots(batch, self.store.block_size)
         keys = dict(plan.block_keys)
-        for item in batch:
-            if item.req_id in failed:
-                # NOTE: rows computed over KV that did not load: never stamped.
-                for block_id in item.block_ids:
-                    keys.pop(block_id, None)
         if planned is None or not np.array_equal(planned, slots):
             # NOTE: rows written without keys clear the stamps of every block
             # they touch: the scheduler's mirror may then promise a hit the
@@ -389,15 +360,11 @@ class LiveStore:
         self._stats.num_rows_written += num_rows
         return {block_id: keys[block_id] for block_id in result.stamped_block_ids}
 
-    def _read(
-        self, batch: list[PlannedRequest], hidden_states: torch.Tensor, failed: set[str]
-    ) -> None:
+    def _read(self, batch: list[PlannedRequest], hidden_states: torch.Tensor) -> None:
         offset = 0
         for item in batch:
             rows = hidden_states[offset : offset + item.num_new]
             offset += item.num_new
-            if item.req_id in failed:
-                continue
             if item.hit_block_ids:
                 self._stats.num_hit_requests += 1
                 self._stats.num_hit_blocks += len(item.hit_block_ids)
