@@ -835,6 +835,25 @@ def test_a_tier_whose_get_raises_is_a_counted_logged_miss(
     assert stamps(reader, READER_BLOCKS) == {name: [None, None, None] for name in NAMES}
 
 
+class BuggyGet(MemoryTier):
+    def get(
+        self, keys: Sequence[BlockHash], entries: Sequence[EntrySpec], block_size: int
+    ) -> list[Mapping[str, torch.Tensor]]:
+        return len(None)  # type: ignore[arg-type]
+
+
+def test_a_bug_in_a_tier_raises_and_changes_nothing(cfg: DeviceConfig) -> None:
+    tier = BuggyGet()
+    write_three_blocks(cfg, tier)
+    reader = make(cfg, tier, num_blocks=6)
+    prestamp(cfg, reader, READER_BLOCKS)
+    before = stamps(reader, READER_BLOCKS)
+    with pytest.raises(TypeError, match=r"object of type 'NoneType' has no len\(\)"):
+        reader.read_through(READER_BLOCKS, KEYS)
+    assert stamps(reader, READER_BLOCKS) == before
+    assert reader.stats.num_tier_errors == 0
+
+
 @pytest.mark.parametrize(
     ("answer", "message"),
     [(answer, message) for _, answer, message in BROKEN_ANSWERS],

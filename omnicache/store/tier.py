@@ -25,6 +25,9 @@ from omnicache.store.specs import EntrySpec, StoreStats
 
 # NOTE: the package's logger, whichever module logs: the name users configure.
 _log = logging.getLogger("omnicache.store")
+# A tier's own failures: its connection (OSError), its state (RuntimeError),
+# rows that do not fit what was asked (ValueError).
+_TIER_FAULTS = (OSError, RuntimeError, ValueError)
 
 
 class TierBlock(NamedTuple):
@@ -94,9 +97,9 @@ class TierBridge:
         self._stats.num_tier_offered += len(blocks)
         try:
             tier.put(blocks)
-        except Exception as exc:
-            # NOTE: the write itself happened; a tier that raises loses only
-            # its copy.
+        except _TIER_FAULTS as exc:
+            # NOTE: the write itself happened; a tier that fails loses only
+            # its copy. Any other exception is a bug, and raises.
             self._stats.num_tier_errors += 1
             _log.warning(
                 "tier %s failed to take %d blocks of %r: %r",
@@ -133,9 +136,10 @@ class TierBridge:
         try:
             found = list(tier.get(list(block_keys), specs, bs))
             blocks = _checked_tier_rows(found, specs, bs, len(ids), self._layout.device)
-        except Exception as exc:
-            # NOTE: a tier promises not to raise; one that does costs a miss,
-            # never a failed request.
+        except _TIER_FAULTS as exc:
+            # NOTE: a tier promises not to raise; one that fails (or answers
+            # rows that do not fit: ValueError) costs a miss, never a failed
+            # request. Any other exception is a bug, and raises.
             self._stats.num_tier_errors += 1
             _log.warning("tier %s failed a read, served as a miss: %r", type_name(tier), exc)
             blocks = []
