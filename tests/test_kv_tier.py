@@ -2,8 +2,8 @@
 real server.
 
 `TierReader` tells which blocks Redis holds (no values); `WorkerTier` moves
-blocks between KV caches in CPU attention's layout ``(num_blocks, heads,
-block_size, 2 * head)``, a store's hidden rows and Redis, loading the leading
+blocks between KV caches in vLLM's per-layer view ``(num_blocks, heads,
+block_size, content)``, a store's hidden rows and Redis, loading the leading
 blocks that verify; `LiveStore` reports the blocks of a load that did not
 load. The live engines' test is ``test_vllm_live_tier``.
 """
@@ -101,7 +101,7 @@ def test_tier_config_is_none_without_a_url_and_names_what_is_wrong() -> None:
 
 def test_a_worker_refuses_kv_caches_of_another_layout(config: TierConfig) -> None:
     bad = {"l": torch.zeros(8, HEADS, BS + 1, HEAD2)}
-    with pytest.raises(ValueError, match=r"kv_caches\['l'\]: expected CPU attention's layout"):
+    with pytest.raises(ValueError, match=r"kv_caches\['l'\]: expected vLLM's per-layer view"):
         WorkerTier(config, bad, store())
 
 
@@ -226,3 +226,28 @@ def test_a_tier_without_the_recompute_policy_is_refused_at_start() -> None:
         config(kv_load_failure_policy="recompute"), KVConnectorRole.SCHEDULER, None
     )
     assert connector.tier == TierConfig("redis://h:1/0", "n", "omnicache")
+
+
+def test_kv_caches_of_another_physical_layout_load_through_the_view(config: TierConfig) -> None:
+    _, kv, _ = saved_blocks(config)  # saved from contiguous caches
+    # vLLM's view (blocks, heads, tokens, content) over memory laid out (tokens, blocks, heads,
+    # content), as a backend with the block dimension inside may allocate it.
+    target_kv = {name: torch.zeros(BS, 8, HEADS, HEAD2).permute(1, 2, 0, 3) for name in LAYERS}
+    assert not target_kv[LAYERS[0]].is_contiguous()
+    target = store()
+    tier = WorkerTier(config, target_kv, target)
+    assert tier.load(target, LoadOrder("r", (5, 6), (K[0], K[1]))) == 2
+    for name in LAYERS:
+        assert torch.equal(target_kv[name][5], kv[name][1])
+        assert torch.equal(target_kv[name][6], kv[name][2])
+    # And back: saved through the strided view, loaded into contiguous caches.
+    tier.save(target, {5: K[0], 6: K[1]})
+    assert tier.flush(10.0)
+    tier.close()
+    again_kv, again = caches(seed=None), store()
+    again_tier = WorkerTier(config, again_kv, again)
+    assert again_tier.load(again, LoadOrder("r", (3, 4), (K[0], K[1]))) == 2
+    for name in LAYERS:
+        assert torch.equal(again_kv[name][3], kv[name][1])
+        assert torch.equal(again_kv[name][4], kv[name][2])
+    again_tier.close()

@@ -215,8 +215,8 @@ def entry_specs(
 ) -> list[EntrySpec]:
     """The tier entries of one block: hidden rows, then each layer's KV, layers sorted.
 
-    ``kv_shapes``: per layer, ``(num_kv_heads, 2 * head_size)``: a token's
-    keys and values in CPU attention's layout.
+    ``kv_shapes``: per layer, ``(heads, content)``: a token's keys and values
+    as vLLM's per-layer view holds them (see `WorkerTier`).
     """
     specs = [EntrySpec(HIDDEN_STATES, (hidden_size,), hidden_dtype, False, 0)]
     specs += [
@@ -245,8 +245,10 @@ class WorkerTier:
 
     Args:
         config: the tier.
-        kv_caches: vLLM's KV cache per attention layer, CPU attention's layout
-            ``(num_blocks, num_kv_heads, block_size, 2 * head_size)``.
+        kv_caches: vLLM's KV cache per attention layer, as vLLM's per-layer
+            view ``(num_blocks, heads, block_size, content)`` (vLLM views every
+            attention backend's cache so, its physical layout in the view's
+            strides; the tier copies through the view whatever the strides).
         store: the worker's store (its ``HIDDEN_STATES`` entry and block size).
 
     Raises:
@@ -271,14 +273,14 @@ class WorkerTier:
                 raise ValueError(
                     f"kv_caches[{name!r}]: expected a tensor, found {type_name(cache)}"
                 )
-            expected = f"(>= {store.num_blocks} blocks, heads, {self.block_size}, 2 * head)"
+            expected = f"(>= {store.num_blocks} blocks, heads, {self.block_size}, content)"
             if (
                 cache.dim() != 4
                 or cache.shape[0] < store.num_blocks
                 or cache.shape[2] != self.block_size
             ):
                 raise ValueError(
-                    f"kv_caches[{name!r}]: expected CPU attention's layout {expected}, "
+                    f"kv_caches[{name!r}]: expected vLLM's per-layer view {expected}, "
                     f"found {tuple(cache.shape)}"
                 )
             if cache.dtype != kv_dtype:
@@ -304,7 +306,7 @@ class WorkerTier:
         num = min(len(run), len(order.block_ids))
         for block_id, rows in zip(order.block_ids[:num], run[:num], strict=True):
             for name, cache in self._layers:
-                # NOTE: token-major in the tier: (block_size, heads, 2 * head).
+                # NOTE: token-major in the tier: (block_size, heads, content).
                 cache[block_id].copy_(rows[name].permute(1, 0, 2))
         if num:
             hidden = torch.cat([rows[HIDDEN_STATES] for rows in run[:num]])
