@@ -43,8 +43,8 @@ off (the live path follows one full-attention group), each attention layer
 calls the connector's no-op per-layer hooks, a step with no tokens still
 binds the metadata, and role ``kv_both`` makes vLLM hand each finished
 request's block ids to ``request_finished`` (which delays their free only
-while a tier load holds them) and defer frees only with several batches in flight (async
-scheduling, which vLLM turns off on CPU).
+while a tier load holds them) and defer frees only with several batches in
+flight (async scheduling, which vLLM turns off on CPU).
 
 Importing this module needs vLLM 0.32 or 0.33.
 """
