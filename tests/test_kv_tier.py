@@ -22,7 +22,7 @@ from omnicache.integrations.vllm.tier import (
     TierConfig,
     TierReader,
     WorkerTier,
-    entry_specs,
+    entry_names,
     tier_config,
 )
 from omnicache.store import HIDDEN_STATES, TensorStore
@@ -50,14 +50,21 @@ def caches(seed: int | None, heads: int = HEADS) -> dict[str, torch.Tensor]:
     return {name: torch.randn((8, heads, BS, HEAD2), generator=gen) for name in LAYERS}
 
 
+def assert_same_kv(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], blocks: dict[int, int]
+) -> None:
+    """Every layer's block ``got_id`` of ``got`` equals its block ``blocks[got_id]`` of ``want``."""
+    for name in LAYERS:
+        for got_id, want_id in blocks.items():
+            assert torch.equal(got[name][got_id], want[name][want_id]), (name, got_id)
+
+
 def store() -> TensorStore:
     return TensorStore(8, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32)
 
 
 def reader(config: TierConfig) -> TierReader:
-    kv = dict.fromkeys(LAYERS, (HEADS, HEAD2))
-    specs = entry_specs(HIDDEN, torch.float32, kv, torch.float32)
-    return TierReader(config, [spec.name for spec in specs])
+    return TierReader(config, entry_names(LAYERS))
 
 
 @pytest.fixture
@@ -114,10 +121,8 @@ def test_saved_blocks_load_into_other_blocks_of_another_worker(config: TierConfi
     target_kv, target = caches(seed=None), store()
     tier = WorkerTier(config, target_kv, target)
     assert tier.load(target, LoadOrder("r", (5, 6), (K[0], K[1]))) == 2
-    for name in LAYERS:
-        assert torch.equal(target_kv[name][5], kv[name][1])
-        assert torch.equal(target_kv[name][6], kv[name][2])
-        assert not target_kv[name][1].any()
+    assert_same_kv(target_kv, kv, {5: 1, 6: 2})
+    assert not any(target_kv[name][1].any() for name in LAYERS)
     assert target.probe([5, 6], [K[0], K[1]]) == 2
     assert torch.equal(
         target.read_blocks(HIDDEN_STATES, [5, 6], [K[0], K[1]]),
@@ -237,9 +242,7 @@ def test_kv_caches_of_another_physical_layout_load_through_the_view(config: Tier
     target = store()
     tier = WorkerTier(config, target_kv, target)
     assert tier.load(target, LoadOrder("r", (5, 6), (K[0], K[1]))) == 2
-    for name in LAYERS:
-        assert torch.equal(target_kv[name][5], kv[name][1])
-        assert torch.equal(target_kv[name][6], kv[name][2])
+    assert_same_kv(target_kv, kv, {5: 1, 6: 2})
     # And back: saved through the strided view, loaded into contiguous caches.
     tier.save(target, {5: K[0], 6: K[1]})
     assert tier.flush(10.0)
@@ -247,7 +250,5 @@ def test_kv_caches_of_another_physical_layout_load_through_the_view(config: Tier
     again_kv, again = caches(seed=None), store()
     again_tier = WorkerTier(config, again_kv, again)
     assert again_tier.load(again, LoadOrder("r", (3, 4), (K[0], K[1]))) == 2
-    for name in LAYERS:
-        assert torch.equal(again_kv[name][3], kv[name][1])
-        assert torch.equal(again_kv[name][4], kv[name][2])
+    assert_same_kv(again_kv, kv, {3: 1, 4: 2})
     again_tier.close()

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +58,7 @@ __all__ = [
     "TierReader",
     "TierStats",
     "WorkerTier",
+    "entry_names",
     "entry_specs",
     "tier_config",
     "tier_reader",
@@ -125,7 +126,7 @@ class TierReader:
 
     Args:
         config: the tier.
-        entry_names: the entries of one block (`entry_specs`' names).
+        entry_names: the entries of one block (`entry_names`).
     """
 
     def __init__(self, config: TierConfig, entry_names: Sequence[str]) -> None:
@@ -203,8 +204,7 @@ def tier_reader(config: TierConfig, vllm_config: Any, kv_cache_config: Any) -> T
     if len(groups) != 1:
         raise ValueError(f"tier ({TIER_URL}): expected one KV cache group, found {len(groups)}")
     (group,) = groups
-    names = [HIDDEN_STATES, *(KV_ENTRY_PREFIX + name for name in sorted(group.layer_names))]
-    return TierReader(config, names)
+    return TierReader(config, entry_names(group.layer_names))
 
 
 def entry_specs(
@@ -213,17 +213,24 @@ def entry_specs(
     kv_shapes: Mapping[str, tuple[int, int]],
     kv_dtype: torch.dtype,
 ) -> list[EntrySpec]:
-    """The tier entries of one block: hidden rows, then each layer's KV, layers sorted.
+    """The tier entries of one block, named as `entry_names` names them.
 
     ``kv_shapes``: per layer, ``(heads, content)``: a token's keys and values
     as vLLM's per-layer view holds them (see `WorkerTier`).
     """
-    specs = [EntrySpec(HIDDEN_STATES, (hidden_size,), hidden_dtype, False, 0)]
+    layers = sorted(kv_shapes)
+    hidden, *kv = entry_names(layers)
+    specs = [EntrySpec(hidden, (hidden_size,), hidden_dtype, False, 0)]
     specs += [
-        EntrySpec(KV_ENTRY_PREFIX + name, tuple(kv_shapes[name]), kv_dtype, False, 0)
-        for name in sorted(kv_shapes)
+        EntrySpec(name, tuple(kv_shapes[layer]), kv_dtype, False, 0)
+        for name, layer in zip(kv, layers, strict=True)
     ]
     return specs
+
+
+def entry_names(layer_names: Iterable[str]) -> list[str]:
+    """The tier entries of one block: hidden rows, then each layer's KV, layers sorted."""
+    return [HIDDEN_STATES, *(KV_ENTRY_PREFIX + name for name in sorted(layer_names))]
 
 
 @dataclass(slots=True)
