@@ -160,6 +160,32 @@ def computed_tokens(output: Any) -> list[int]:
     return list(output.prompt_token_ids) + list(output.outputs[0].token_ids[:-1])
 
 
+# Prompt logprobs served from the store equal an engine's without caching: the
+# same token ids and ranks at every position, values within the hidden states'
+# tolerance (float32; the positions vLLM computes after a hit attend to cached
+# KV, which rounds otherwise than one pass over the prompt).
+LOGPROB_ATOL = 1e-5
+
+
+def prompt_logprobs_difference(got: Any, want: Any) -> float:
+    """The largest difference of two outputs' prompt logprobs, after their ids and ranks agree.
+
+    Raises AssertionError (naming the position) where one has a position,
+    token id or rank the other lacks.
+    """
+    assert got is not None and want is not None
+    assert len(got) == len(want)
+    assert got[0] is None and want[0] is None
+    largest = 0.0
+    for position, (mine, theirs) in enumerate(zip(got[1:], want[1:], strict=True), start=1):
+        assert sorted(mine) == sorted(theirs), position
+        for token_id, logprob in mine.items():
+            assert logprob.rank == theirs[token_id].rank, (position, token_id)
+            assert logprob.logprob == logprob.logprob, (position, token_id)  # never NaN
+            largest = max(largest, abs(logprob.logprob - theirs[token_id].logprob))
+    return largest
+
+
 # -- vLLM's default multiprocess mode ----------------------------------------------------
 # NOTE: first in the module, before any in-process engine. Started after
 # in-process engines in the same process, the multiprocess engine served the

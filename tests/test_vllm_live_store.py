@@ -46,6 +46,7 @@ WAVES: list[list[tuple[int, str | None]]] = [
 # vLLM's own prefix caching on WAVES, request by request (the reference
 # engine checks it too): 128 is a whole prompt but its last block, 32 the
 # text before the image, 0 a chain evicted or never seen.
+WAVES_FLAT = [request for wave in WAVES for request in wave]
 EXPECTED_HITS = [0, 128, 32, 0, 32, 32, 0, 128, 128, 32, 128, 32, 32, 32, 64, 32, 32, 128, 32, 96]
 
 
@@ -73,14 +74,32 @@ def store_args(model: Path, **overrides: Any) -> dict[str, Any]:
     )
 
 
+# Every other request also asks for its prompt's logprobs (vLLM's own prefix
+# caching would give those no hit), so that steps mix requests that score
+# their prompt with requests that do not.
+PROMPT_LOGPROBS = 3
+
+
+def scores(index: int) -> bool:
+    return index % 2 == 1
+
+
 def run_waves(llm: Any, *, ask: bool = True) -> list[Any]:
     from vllm import SamplingParams
 
     extra = {"omnicache_prompt_hidden_states": True} if ask else None
-    params = SamplingParams(max_tokens=live.MAX_TOKENS, temperature=0, extra_args=extra)
     outputs: list[Any] = []
     for wave in WAVES:
         prompts = [live.image_prompt(live.picture(seed), salt) for seed, salt in wave]
+        params = [
+            SamplingParams(
+                max_tokens=live.MAX_TOKENS,
+                temperature=0,
+                extra_args=extra,
+                prompt_logprobs=PROMPT_LOGPROBS if ask and scores(len(outputs) + i) else None,
+            )
+            for i in range(len(wave))
+        ]
         outputs += llm.generate(prompts, params, use_tqdm=False)
     return outputs
 
@@ -93,6 +112,7 @@ def served(llm: Any, *, ask: bool = True) -> dict[str, Any]:
         "hits": [output.num_cached_tokens for output in outputs],
         "tokens": [list(output.outputs[0].token_ids) for output in outputs],
         "num_prompt": [len(output.prompt_token_ids) for output in outputs],
+        "prompt_logprobs": [output.prompt_logprobs for output in outputs],
     }
     if ask:
         run["states"] = take_prompt_hidden_states(llm, outputs)
@@ -151,6 +171,30 @@ def test_prompt_hidden_states_equal_an_engine_without_caching(
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), index
     assert store["tokens"] == off["tokens"]
     assert off["hits"] == [0] * len(off["hits"])
+
+
+def test_prompt_logprobs_equal_an_engine_without_caching(
+    runs: dict[str, dict[str, Any]],
+) -> None:
+    store, off = runs["store"], runs["off"]
+    asked = [index for index in range(len(WAVES_FLAT)) if scores(index)]
+    for index in range(len(WAVES_FLAT)):
+        got, want = store["prompt_logprobs"][index], off["prompt_logprobs"][index]
+        if index not in asked:
+            assert got is None and want is None, index
+            continue
+        assert len(got) == store["num_prompt"][index], index
+        assert all(len(position) in (1 + PROMPT_LOGPROBS, PROMPT_LOGPROBS) for position in got[1:])
+        difference = live.prompt_logprobs_difference(got, want)
+        assert difference <= live.LOGPROB_ATOL, (index, difference)
+    # The requests that scored their prompt hit as the others do: the
+    # positions of their hits came from the store.
+    stats = store["stats"]
+    scored = [store["hits"][index] for index in asked]
+    assert sum(scored) > 0
+    assert stats["num_scored_requests"] == sum(1 for hit in scored if hit)
+    assert stats["num_scored_tokens"] == sum(scored)
+    assert stats["num_score_failures"] == 0
 
 
 def test_hits_are_vllms_own_and_every_hit_read_its_stamped_rows(

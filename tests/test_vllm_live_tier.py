@@ -83,6 +83,9 @@ B_EXPECTED = [
 ]
 
 
+PROMPT_LOGPROBS = 2
+
+
 def tier_args(model: Path, url: str, **overrides: Any) -> dict[str, Any]:
     return live.engine_args(
         model,
@@ -114,6 +117,8 @@ def serve(llm: Any, waves: list[list[tuple[int, str | None]]], *, tier: bool) ->
         max_tokens=live.MAX_TOKENS,
         temperature=0,
         extra_args={"omnicache_prompt_hidden_states": True},
+        # Scored from the rows of loaded blocks too.
+        prompt_logprobs=PROMPT_LOGPROBS,
     )
     outputs: list[Any] = []
     for wave in waves:
@@ -129,6 +134,7 @@ def serve(llm: Any, waves: list[list[tuple[int, str | None]]], *, tier: bool) ->
         "computed": [live.computed_tokens(output) for output in outputs],
         "span": live.placeholder_span(llm, outputs[0], live.IMAGE_PAD),
         "states": take_prompt_hidden_states(llm, outputs),
+        "prompt_logprobs": [output.prompt_logprobs for output in outputs],
     }
     (run["stats"],) = llm.collective_rpc("omni_live_store_stats")
     if tier:
@@ -239,8 +245,12 @@ def test_engine_b_takes_exactly_the_blocks_the_tier_holds(runs: dict[str, Any]) 
     assert stats["tier_num_loaded_blocks"] == sum(row[0] for row in B_EXPECTED) // live.BLOCK_SIZE
     assert stats["tier_num_failed_loads"] == 1
     assert stats["redis_num_rejected_values"] == 1
-    # The loaded blocks were read as hits by their requests.
+    # The loaded blocks were read as hits by their requests, and their
+    # positions' prompt logprobs scored from their rows.
     assert stats["num_hit_blocks"] == sum(row[2] for row in B_EXPECTED) // live.BLOCK_SIZE
+    assert stats["num_scored_tokens"] == sum(row[2] for row in B_EXPECTED)
+    assert stats["num_scored_requests"] == sum(1 for row in B_EXPECTED if row[2])
+    assert stats["num_score_failures"] == 0
 
 
 def test_engine_b_serves_what_engines_without_a_tier_compute(runs: dict[str, Any]) -> None:
@@ -260,6 +270,10 @@ def test_engine_b_serves_what_engines_without_a_tier_compute(runs: dict[str, Any
             assert got.dtype == torch.float32, where
             assert tuple(got.shape) == tuple(want.shape), where
             assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), where
+            difference = live.prompt_logprobs_difference(
+                run["prompt_logprobs"][index], off["prompt_logprobs"][oracle[item]]
+            )
+            assert difference <= live.LOGPROB_ATOL, (where, difference)
         stats = run["stats"]
         assert stats["num_stale_hit_blocks"] == 0, name
         assert stats["store_num_stale_reads"] == 0, name

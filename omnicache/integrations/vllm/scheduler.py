@@ -54,7 +54,13 @@ _SERIES = vllm_series()  # vLLM imports this module by name: fail here, with the
 
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
-__all__ = ["ALGORITHM_ENV", "NAMESPACE_ENV", "OmniScheduler", "algorithm_from_env"]
+__all__ = [
+    "ALGORITHM_ENV",
+    "NAMESPACE_ENV",
+    "OmniScheduler",
+    "algorithm_from_env",
+    "reads_prefix_for_prompt_logprobs",
+]
 
 ALGORITHM_ENV = "OMNICACHE_BLOCK_ALGORITHM"
 NAMESPACE_ENV = "OMNICACHE_NAMESPACE"
@@ -114,11 +120,41 @@ class OmniScheduler(Scheduler):  # type: ignore[misc]
             self.connector.bind_scheduler_side(self.omni_mirror)
 
     def add_request(self, request: Any) -> None:
-        """Keys a new request with omnicache keys, then queues it as vLLM does."""
+        """Keys a new request with omnicache keys, then queues it as vLLM does.
+
+        With the store, a request that asks for prompt logprobs reads the
+        prefix cache (`reads_prefix_for_prompt_logprobs`).
+        """
         if request.request_id not in self.requests:
             # NOTE: the request keeps its hasher and calls it on every
             # appended token; it was keyed with vLLM's hasher when created.
             request._block_hasher = self.omni_block_hasher
             request.block_hashes.clear()
             request.update_block_hashes()
+            if self.omni_mirror is not None and reads_prefix_for_prompt_logprobs(request):
+                request.skip_reading_prefix_cache = False
         super().add_request(request)
+
+
+def reads_prefix_for_prompt_logprobs(request: Any) -> bool:
+    """Whether a request that vLLM keeps off the prefix cache for its prompt logprobs can read it.
+
+    vLLM sets ``skip_reading_prefix_cache`` on every request with
+    ``prompt_logprobs`` (its model runner computes them only from the rows it
+    computes). With omnicache's store, every hit comes with its rows, and the
+    worker computes the hit positions' logprobs from them as vLLM computes
+    the rest (`worker.PromptLogprobs`). Not for a request that set the flag
+    for another reason: none asked of vLLM's pooling, none with
+    ``prompt_logprob_token_ids`` (vLLM serves them with its V2 model runner
+    only, which omnicache's worker refuses), none with prompt embeddings
+    (vLLM computes no prompt logprobs for them).
+    """
+    params = request.sampling_params
+    return (
+        bool(request.skip_reading_prefix_cache)
+        and params is not None
+        and request.pooling_params is None
+        and params.prompt_logprobs is not None
+        and getattr(params, "prompt_logprob_token_ids", None) is None
+        and request.prompt_token_ids is not None
+    )

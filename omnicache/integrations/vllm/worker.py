@@ -45,8 +45,10 @@ How `LiveStore` applies a step's plan, in the plan's order:
 5. every prefix hit that starts in this step is *verified*: a hit block not
    stamped with its key counts as stale (`LiveStoreStats.num_stale_hit_blocks`)
    and is never served; requests that asked for their prompt's hidden states
-   get the hit blocks' rows from the store and the rest from the step's rows
-   (`TensorStore.read_merged`).
+   get the hit blocks' rows from the store and the rest from the step's rows;
+   requests that asked for prompt logprobs get those of the hit's positions
+   computed from the hit's rows (`PromptLogprobs`), before vLLM's model
+   runner computes the rest when it samples the step.
 
 Writes come before reads because vLLM caches a block as soon as it is
 allocated: a request scheduled in the same step as the one computing a block
@@ -76,7 +78,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -97,7 +99,7 @@ from omnicache.integrations.vllm.plan import (
     planned_slots,
 )
 from omnicache.integrations.vllm.tier import WorkerTier
-from omnicache.store import HIDDEN_STATES, ScheduledRequest, TensorStore
+from omnicache.store import HIDDEN_STATES, StaleBlockError, TensorStore
 
 vllm_series()  # vLLM imports this module by name: fail here, with the install hint.
 
@@ -123,6 +125,8 @@ __all__ = [
     "OmniCPUWorker",
     "OmniGPUWorker",
     "OmniWorkerMixin",
+    "PromptLogprobs",
+    "PromptScorer",
     "decode_rows",
     "encode_rows",
     "take_prompt_hidden_states",
@@ -156,6 +160,11 @@ class LiveStoreStats:
     num_slot_mismatches: int = 0
     num_prompt_results: int = 0
     num_prompt_failures: int = 0
+    # Requests with prompt logprobs whose hit positions were scored from the
+    # store, those positions, and hits that could not be (their logprobs NaN).
+    num_scored_requests: int = 0
+    num_scored_tokens: int = 0
+    num_score_failures: int = 0
     num_results_dropped: int = 0
     num_incomplete_dropped: int = 0
     num_pending_results: int = 0
@@ -187,6 +196,22 @@ class _Prompt:
         return torch.cat([part for _, part in self.chunks])
 
 
+class PromptScorer(Protocol):
+    """What scores a hit's prompt positions from their stored rows (`PromptLogprobs`)."""
+
+    def wants(self, req_id: str) -> bool:
+        """Whether the request's prompt positions are scored (it asked for prompt logprobs)."""
+        ...
+
+    def score(self, req_id: str, num_tokens: int, rows: torch.Tensor | None) -> None:
+        """Scores the request's first ``num_tokens`` prompt positions from their ``rows``.
+
+        ``rows`` is None when the hit's rows could not be read (stale): those
+        positions then get no value that could pass for one.
+        """
+        ...
+
+
 class LiveStore:
     """A worker's store of hidden states, kept in step with the scheduler's plans.
 
@@ -198,10 +223,17 @@ class LiveStore:
             and a `HIDDEN_STATES` entry.
         max_results: prompt results kept until taken.
         tier: the tier blocks are loaded from and saved to (None: none).
+        scorer: scores the hit positions of requests that ask for prompt
+            logprobs, from the hit's rows (None: none asks).
     """
 
     def __init__(
-        self, store: TensorStore, *, max_results: int, tier: WorkerTier | None = None
+        self,
+        store: TensorStore,
+        *,
+        max_results: int,
+        tier: WorkerTier | None = None,
+        scorer: PromptScorer | None = None,
     ) -> None:
         if not isinstance(store, TensorStore):
             raise TypeError(f"store: expected a TensorStore, found {type_name(store)}")
@@ -211,6 +243,7 @@ class LiveStore:
             )
         self.store = store
         self.tier = tier
+        self.scorer = scorer
         self.max_results = check_int("max_results", max_results, minimum=1)
         self._prompts: dict[str, _Prompt] = {}
         self._results: OrderedDict[str, torch.Tensor | None] = OrderedDict()
@@ -362,6 +395,7 @@ class LiveStore:
 
     def _read(self, batch: list[PlannedRequest], hidden_states: torch.Tensor) -> None:
         offset = 0
+        scorer = self.scorer
         for item in batch:
             rows = hidden_states[offset : offset + item.num_new]
             offset += item.num_new
@@ -371,29 +405,49 @@ class LiveStore:
                 valid = self.store.probe(item.hit_block_ids, item.hit_block_keys)
                 self._stats.num_stale_hit_blocks += len(item.hit_block_ids) - valid
             prompt = self._prompts.get(item.req_id)
-            if prompt is None or item.start >= prompt.num_tokens:
+            asks = prompt is not None and item.start < prompt.num_tokens
+            scores = bool(item.hit_block_ids) and scorer is not None and scorer.wants(item.req_id)
+            if not (asks or scores):
                 continue
-            start, part = item.start, rows.clone()
-            if item.hit_block_ids:
-                merged = self.store.read_merged(
-                    [
-                        ScheduledRequest(
-                            item.req_id,
-                            item.num_new,
-                            item.start,
-                            item.hit_block_ids,
-                            item.hit_block_keys,
-                        )
-                    ],
-                    hidden_states=rows,
-                )
-                if merged.misses:
+            # The hit's rows, read once for both results (None: a block lost its key).
+            hit_rows = self._read_hit(item) if item.hit_block_ids else None
+            if asks:
+                assert prompt is not None
+                if not item.hit_block_ids:
+                    whole = prompt.add(item.start, rows.clone())
+                elif hit_rows is None:
                     self._finish(item.req_id, None)
-                    continue
-                start, part = 0, merged.hidden_states[item.req_id]
-            whole = prompt.add(start, part)
-            if whole is not None:
-                self._finish(item.req_id, whole)
+                    whole = None
+                else:
+                    whole = prompt.add(0, torch.cat([hit_rows, rows]))
+                if whole is not None:
+                    self._finish(item.req_id, whole)
+            if scores:
+                assert scorer is not None
+                self._score(scorer, item, hit_rows)
+
+    def _read_hit(self, item: PlannedRequest) -> torch.Tensor | None:
+        """The rows of a request's hit blocks, None if one does not hold its key."""
+        try:
+            return self.store.read_blocks(HIDDEN_STATES, item.hit_block_ids, item.hit_block_keys)
+        except StaleBlockError:
+            return None
+
+    def _score(
+        self, scorer: PromptScorer, item: PlannedRequest, hit_rows: torch.Tensor | None
+    ) -> None:
+        if hit_rows is None:
+            self._stats.num_score_failures += 1
+            _LOG.warning(
+                "request %s: its prefix hit's rows could not be read; the prompt logprobs of "
+                "its first %d positions are NaN",
+                item.req_id,
+                item.start,
+            )
+        else:
+            self._stats.num_scored_requests += 1
+            self._stats.num_scored_tokens += item.start
+        scorer.score(item.req_id, item.start, hit_rows)
 
     def _finish(self, req_id: str, rows: torch.Tensor | None) -> None:
         del self._prompts[req_id]
@@ -405,6 +459,85 @@ class LiveStore:
         while len(self._results) > self.max_results:
             self._results.popitem(last=False)
             self._stats.num_results_dropped += 1
+
+
+# -- prompt logprobs from the store ------------------------------------------------------
+
+
+class PromptLogprobs:
+    """The prompt logprobs of a hit's positions, from the hit's stored rows (a `PromptScorer`).
+
+    vLLM's model runner computes a request's prompt logprobs from the rows it
+    computes, from ``num_computed_tokens`` on, into the request's
+    ``in_progress_prompt_logprobs_cpu``, when it samples the step
+    (``_get_prompt_logprobs_dict``). A hit's positions are filled in here
+    first, in the same step, by the same recipe: the model's
+    ``compute_logits`` over the rows, the scores of the engine's
+    ``logprobs_mode`` and the sampler's ``gather_logprobs`` of the request's
+    ``k`` and the next prompt token. Rows are scored in batches of at most
+    the runner's ``max_num_tokens`` (the most vLLM scores at once).
+
+    Raises:
+        RuntimeError: a model runner without what the recipe uses (the
+            message names it).
+    """
+
+    __slots__ = ("_empty", "_runner")
+
+    def __init__(self, runner: Any) -> None:
+        from vllm.v1.outputs import LogprobsTensors
+
+        for owner, names in (
+            (runner, ("num_prompt_logprobs", "requests", "max_num_tokens", "device", "sampler")),
+            (runner, ("model", "model_config", "_get_prompt_logprobs_dict")),
+            (getattr(runner, "sampler", None), ("compute_logprobs", "gather_logprobs")),
+            (getattr(runner, "model", None), ("compute_logits",)),
+            (LogprobsTensors, ("empty_cpu",)),
+        ):
+            missing = [name for name in names if not hasattr(owner, name)]
+            if missing:
+                raise RuntimeError(
+                    f"{WORKER_CLS}: expected vLLM's V1 model runner to compute prompt logprobs "
+                    f"with {', '.join(names)} of {type_name(owner)}, found no {missing}"
+                )
+        self._runner = runner
+        self._empty = LogprobsTensors.empty_cpu
+
+    def wants(self, req_id: str) -> bool:
+        return req_id in self._runner.num_prompt_logprobs
+
+    def score(self, req_id: str, num_tokens: int, rows: torch.Tensor | None) -> None:
+        runner = self._runner
+        k = runner.num_prompt_logprobs[req_id]
+        state = runner.requests[req_id]
+        prompt = state.prompt_token_ids
+        tensors = state.in_progress_prompt_logprobs_cpu
+        if tensors is None:
+            # NOTE: vLLM makes it in the step that computes the request's
+            # first rows (this one) only if it has none yet.
+            tensors = self._empty(len(prompt) - 1, k + 1)
+            state.in_progress_prompt_logprobs_cpu = tensors
+        if rows is None:
+            tensors.logprob_token_ids[:num_tokens] = -1
+            tensors.logprobs[:num_tokens] = float("nan")
+            tensors.selected_token_ranks[:num_tokens] = -1
+            return
+        device = runner.device
+        targets = torch.tensor(prompt[1 : num_tokens + 1], dtype=torch.int64, device=device)
+        raw = runner.model_config.logprobs_mode in ("raw_logits", "processed_logits")
+        size = max(1, int(runner.max_num_tokens))
+        for first in range(0, num_tokens, size):
+            last = min(first + size, num_tokens)
+            logits = runner.model.compute_logits(rows[first:last].to(device))
+            # NOTE: prompt tokens skip the sampling processors, so vLLM's
+            # processed_* and raw_* modes give the same scores for them.
+            scores = logits.to(torch.float32) if raw else runner.sampler.compute_logprobs(logits)
+            token_ids, logprobs, ranks, *_ = runner.sampler.gather_logprobs(
+                scores, k, targets[first:last]
+            )
+            tensors.logprob_token_ids[first:last].copy_(token_ids)
+            tensors.logprobs[first:last].copy_(logprobs)
+            tensors.selected_token_ranks[first:last].copy_(ranks)
 
 
 # -- capture and the worker -----------------------------------------------------------
@@ -507,11 +640,13 @@ class OmniWorkerMixin:
                 "runner (VLLM_USE_V2_MODEL_RUNNER=0 selects V1)"
             )
         self._omni_capture: _Capture | None = None
+        self._omni_scorer: PromptLogprobs | None = None
         self._omni_layer: str | None = None
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)  # type: ignore[misc]
         self._omni_capture = _Capture(self.model_runner)
+        self._omni_scorer = PromptLogprobs(self.model_runner)
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
@@ -545,6 +680,7 @@ class OmniWorkerMixin:
             store,
             max_results=extra.get("max_prompt_results", DEFAULT_MAX_PROMPT_RESULTS),
             tier=tier,
+            scorer=self._omni_scorer,
         )
         connector.bind_worker_side(self.omni_store)
 
