@@ -1,5 +1,5 @@
 """Fixtures shared by test modules: device configurations, the live vLLM engine's
-gate, the Redis server of the tier tests."""
+gate and in-process mode, the Redis server of the tier tests."""
 
 from __future__ import annotations
 
@@ -51,6 +51,18 @@ def _live_engine_gate(request: pytest.FixtureRequest) -> None:
             pytrace=False,
         )
     pytest.skip(missing)
+
+
+@pytest.fixture(scope="module")
+def in_process() -> Iterator[None]:
+    """vLLM's in-process mode: scheduler and model runner in this process."""
+    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    yield
+    if saved is None:
+        del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
 
 
 # The Redis fixtures: a server that cannot be found or started goes through

@@ -100,18 +100,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-@pytest.fixture(scope="module")
-def in_process() -> Iterator[None]:
-    """vLLM's in-process mode: scheduler and model runner in this process."""
-    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    yield
-    if saved is None:
-        del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
-    else:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
-
-
 def shut(llm: Any) -> None:
     llm.llm_engine.engine_core.shutdown()
     del llm
