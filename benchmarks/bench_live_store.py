@@ -109,7 +109,7 @@ def run_pass(mode: str, model: Path, args: argparse.Namespace) -> dict[str, dict
                 again = SamplingParams(max_tokens=1, extra_args=ask)
                 outputs = llm.generate(batch, again, use_tqdm=False)
                 if ask is not None:
-                    from omnicache.integrations.vllm.worker import take_prompt_hidden_states
+                    from omnicache.integrations.vllm.results import take_prompt_hidden_states
 
                     states = take_prompt_hidden_states(llm, outputs)
                     assert all(s is not None and s.shape[0] == 480 for s in states)

@@ -52,7 +52,7 @@ def main() -> None:
 
     from omnicache.demo.tiny_models import build_vl_model
     from omnicache.integrations.vllm import multi_modal_uuids
-    from omnicache.integrations.vllm.worker import take_prompt_hidden_states
+    from omnicache.integrations.vllm.results import take_prompt_hidden_states
 
     model = build_vl_model(Path(tempfile.mkdtemp()) / "qwen2-vl-tiny")
     common = dict(

@@ -62,6 +62,7 @@ def test_a_hit_reads_the_stored_rows_then_the_steps_rows() -> None:
         requests=(PlannedRequest("a", 0, 9, (1, 2, 3)),),
         block_keys={1: K[1], 2: K[2]},
         prompt_requests={"a": 9},
+        result_keys={"a": "key-a"},
     )
     live.apply(first, ["a"], rows(100, 11), slots_of(first, ["a"], padding=2))
     assert live.store.stamp_of(HIDDEN_STATES, 1) == K[1]
@@ -76,9 +77,10 @@ def test_a_hit_reads_the_stored_rows_then_the_steps_rows() -> None:
             PlannedRequest("b", 8, 2, (4,), (1, 2), (K[1], K[2])),
         ),
         prompt_requests={"b": 10},
+        result_keys={"b": "key-b"},
     )
     live.apply(second, ["b", "a"], rows(500, 3), slots_of(second, ["b", "a"]))
-    found = live.take(["a", "b", "c"])
+    found = live.take({"a": "key-a", "b": "key-b", "c": "key-c"})
     assert sorted(found) == ["a", "b"]
     assert torch.equal(found["a"], rows(100, 9))  # type: ignore[arg-type]
     assert torch.equal(found["b"], torch.cat([rows(100, 8), rows(500, 2)]))  # type: ignore[arg-type]
@@ -89,7 +91,7 @@ def test_a_hit_reads_the_stored_rows_then_the_steps_rows() -> None:
         12,
         0,
     )
-    assert live.take(["a", "b"]) == {}
+    assert live.take({"a": "key-a", "b": "key-b"}) == {}
 
 
 def test_a_hit_on_a_cleared_block_is_counted_and_never_served() -> None:
@@ -104,10 +106,11 @@ def test_a_hit_on_a_cleared_block_is_counted_and_never_served() -> None:
         caching=True,
         requests=(PlannedRequest("b", 8, 1, (5,), (1, 2), (K[1], K[2])),),
         prompt_requests={"b": 9},
+        result_keys={"b": "key-b"},
         cleared_block_ids=(2,),
     )
     live.apply(hit, ["b"], rows(50, 1), slots_of(hit, ["b"]))
-    assert live.take(["b"]) == {"b": None}
+    assert live.take({"b": "key-b"}) == {"b": None}
     stats = live.stats
     assert (stats.num_stale_hit_blocks, stats.num_prompt_failures, stats.num_cleared_blocks) == (
         1,
@@ -131,16 +134,25 @@ def test_prompt_across_chunks_results_capped_and_unfinished_dropped() -> None:
     live = new_live(max_results=1)
     for req_id in ("a", "b"):
         plans = [
-            StepPlan(False, (PlannedRequest(req_id, 0, 3),), prompt_requests={req_id: 5}),
+            StepPlan(
+                False,
+                (PlannedRequest(req_id, 0, 3),),
+                prompt_requests={req_id: 5},
+                result_keys={req_id: req_id},
+            ),
             StepPlan(False, (PlannedRequest(req_id, 3, 2),)),
         ]
         for plan, part in zip(plans, (rows(0, 3), rows(3, 2)), strict=True):
             live.apply(plan, [req_id], part)
     live.apply(
-        StepPlan(False, (PlannedRequest("c", 0, 2),), prompt_requests={"c": 4}), ["c"], rows(0, 2)
+        StepPlan(
+            False, (PlannedRequest("c", 0, 2),), prompt_requests={"c": 4}, result_keys={"c": "c"}
+        ),
+        ["c"],
+        rows(0, 2),
     )
     live.apply(StepPlan(False, finished_req_ids=("c",)))
-    assert list(live.take(["a", "b", "c"])) == ["b"]
+    assert list(live.take({"a": "a", "b": "b", "c": "c"})) == ["b"]
     stats = live.stats
     assert (stats.num_results_dropped, stats.num_incomplete_dropped, stats.num_rows_written) == (
         1,
@@ -158,3 +170,86 @@ def test_rows_of_other_requests_than_planned_are_refused() -> None:
         LiveStore(TensorStore(8, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32), max_results=0)
     with pytest.raises(ValueError, match=r"store: expected an entry 'hidden_states', found \[\]"):
         LiveStore(TensorStore(8, BS), max_results=1)
+
+
+def test_a_result_is_taken_with_its_key_only_and_within_the_size_asked() -> None:
+    live = new_live()
+    plan = StepPlan(
+        False, (PlannedRequest("a", 0, 5),), prompt_requests={"a": 5}, result_keys={"a": "k-a"}
+    )
+    live.apply(plan, ["a"], rows(0, 5))
+    # A forged key, or none of the right length, finds nothing and takes nothing.
+    assert live.take({"a": "k-b"}) == {}
+    assert live.take({"a": ""}) == {}
+    # Over the size asked: its size, and it stays (5 rows x 3 float32 values).
+    assert live.take({"a": "k-a"}, max_bytes=59) == {"a": 60}
+    assert live.stats.num_pending_results == 1
+    found = live.take({"a": "k-a"}, max_bytes=60)
+    assert torch.equal(found["a"], rows(0, 5))  # type: ignore[arg-type]
+    assert live.take({"a": "k-a"}) == {}
+    with pytest.raises(TypeError, match=r"requests\['a'\]: expected str, found int"):
+        live.take({"a": 1})  # type: ignore[dict-item]
+
+
+class Scores:
+    """A scorer that scores every request in ``wanted`` by keeping what it was handed."""
+
+    def __init__(self, wanted: set[str]) -> None:
+        self.wanted = wanted
+        self.scored: list[tuple[str, int, torch.Tensor | None]] = []
+
+    def wants(self, req_id: str) -> bool:
+        return req_id in self.wanted
+
+    def score(self, req_id: str, num_tokens: int, rows: torch.Tensor | None) -> None:
+        self.scored.append((req_id, num_tokens, None if rows is None else rows.clone()))
+
+
+def test_the_scorer_gets_each_verified_hit_s_rows_once_and_none_for_a_stale_hit() -> None:
+    scorer = Scores({"b", "c", "d"})
+    live = LiveStore(
+        TensorStore(8, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32),
+        max_results=8,
+        scorer=scorer,
+    )
+    first = StepPlan(
+        caching=True,
+        requests=(PlannedRequest("a", 0, 9, (1, 2, 3)),),
+        block_keys={1: K[1], 2: K[2]},
+    )
+    live.apply(first, ["a"], rows(100, 9), slots_of(first, ["a"]))
+    # "b" hits both blocks and asks for its prompt's hidden states too (one
+    # read serves both); "c" hits one block; "d" asks but has no hit; "e" hits
+    # but does not ask.
+    second = StepPlan(
+        caching=True,
+        requests=(
+            PlannedRequest("b", 8, 2, (4,), (1, 2), (K[1], K[2])),
+            PlannedRequest("c", 4, 1, (5,), (1,), (K[1],)),
+            PlannedRequest("d", 0, 3, (6,)),
+            PlannedRequest("e", 4, 1, (7,), (1,), (K[1],)),
+        ),
+        prompt_requests={"b": 10},
+        result_keys={"b": "key-b"},
+    )
+    order = ["b", "c", "d", "e"]
+    live.apply(second, order, rows(500, 7), slots_of(second, order))
+    assert [(req_id, num) for req_id, num, _ in scorer.scored] == [("b", 8), ("c", 4)]
+    assert torch.equal(scorer.scored[0][2], rows(100, 8))  # type: ignore[arg-type]
+    assert torch.equal(scorer.scored[1][2], rows(100, 4))  # type: ignore[arg-type]
+    assert live.store.stats.num_hit_blocks_read == 3
+    stats = live.stats
+    assert (stats.num_scored_requests, stats.num_scored_tokens, stats.num_score_failures) == (
+        2,
+        12,
+        0,
+    )
+    # Block 2 handed out again: a hit on it is scored with no rows, never old ones.
+    third = StepPlan(
+        caching=True,
+        requests=(PlannedRequest("b", 8, 1, (6,), (1, 2), (K[1], K[2])),),
+        cleared_block_ids=(2,),
+    )
+    live.apply(third, ["b"], rows(900, 1), slots_of(third, ["b"]))
+    assert scorer.scored[-1] == ("b", 8, None)
+    assert live.stats.num_score_failures == 1

@@ -105,7 +105,7 @@ def run_waves(llm: Any, *, ask: bool = True) -> list[Any]:
 
 
 def served(llm: Any, *, ask: bool = True) -> dict[str, Any]:
-    from omnicache.integrations.vllm.worker import take_prompt_hidden_states
+    from omnicache.integrations.vllm.results import take_prompt_hidden_states
 
     outputs = run_waves(llm, ask=ask)
     run: dict[str, Any] = {

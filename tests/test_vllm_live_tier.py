@@ -111,7 +111,7 @@ def tier_args(model: Path, url: str, **overrides: Any) -> dict[str, Any]:
 def serve(llm: Any, waves: list[list[tuple[int, str | None]]], *, tier: bool) -> dict[str, Any]:
     from vllm import SamplingParams
 
-    from omnicache.integrations.vllm.worker import take_prompt_hidden_states
+    from omnicache.integrations.vllm.results import take_prompt_hidden_states
 
     params = SamplingParams(
         max_tokens=live.MAX_TOKENS,

@@ -27,7 +27,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -93,9 +93,19 @@ def chat_body(url: str | None, uuid: str | None = None) -> dict[str, Any]:
 
 
 class Server:
-    """A running OpenAI server and the KV cache events it publishes."""
+    """A running OpenAI server and the KV cache events it publishes.
 
-    def __init__(self, model: Path, log: Path) -> None:
+    ``options`` replace the scheduler-only configuration after the common ones
+    (``--scheduler-cls``); ``env`` adds to the server's environment.
+    """
+
+    def __init__(
+        self,
+        model: Path,
+        log: Path,
+        options: Sequence[str] = ("--scheduler-cls", SCHEDULER),
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.port = free_port()
         events_port = free_port()
         self.events = EventListener(f"tcp://127.0.0.1:{events_port}")
@@ -114,12 +124,17 @@ class Server:
             "--enable-prompt-tokens-details",
             "--limit-mm-per-prompt", json.dumps({"image": 1, "audio": 1}),
             "--kv-events-config", json.dumps(events),
-            "--scheduler-cls", SCHEDULER,
+            *options,
         ]  # fmt: skip
-        env = {**os.environ, "OMNICACHE_MM_UUIDS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+        environment = {
+            **os.environ,
+            "OMNICACHE_MM_UUIDS": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+            **(env or {}),
+        }
         self._log = log.open("wb")
         self.process = subprocess.Popen(
-            command, env=env, stdout=self._log, stderr=subprocess.STDOUT
+            command, env=environment, stdout=self._log, stderr=subprocess.STDOUT
         )
         self.log = log
 

@@ -50,7 +50,7 @@ import torch
 from PIL import Image
 import test_vllm_live as t
 from vllm import LLM, SamplingParams
-from omnicache.integrations.vllm.worker import take_prompt_hidden_states
+from omnicache.integrations.vllm.results import take_prompt_hidden_states
 from omnicache.integrations.vllm import UUID_NAMESPACE
 from omnicache.media import load_image
 

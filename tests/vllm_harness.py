@@ -14,6 +14,7 @@ engine would get.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -98,7 +99,10 @@ class EngineHarness:
             if request.request_id not in self._seen
         }
         self._seen.update(prompts)
-        plan = self.mirror.plan(items, prompts, self._finished)
+        # NOTE: the connector gives each result its key; here the request's id.
+        plan = replace(
+            self.mirror.plan(items, prompts, self._finished), result_keys={r: r for r in prompts}
+        )
         self._finished = []
         self.live.start_step(plan)
         parts: list[torch.Tensor] = []
@@ -131,7 +135,9 @@ class EngineHarness:
         Raises:
             KeyError: the worker has no result for it (taken, or incomplete).
         """
-        return self.live.take([request_id])[request_id]
+        found = self.live.take({request_id: request_id})[request_id]
+        assert not isinstance(found, int)  # no size limit asked
+        return found
 
     def run(self, request: Any) -> tuple[int, list[int], torch.Tensor | None]:
         """Admit, compute the rest in one step, finish: the hit, block table and prompt rows."""

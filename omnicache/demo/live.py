@@ -346,7 +346,7 @@ def _serve(
     """Serves ``prompts`` one at a time, in order, after ``warmup`` of them untimed."""
     from vllm import SamplingParams
 
-    from omnicache.integrations.vllm.worker import take_prompt_hidden_states
+    from omnicache.integrations.vllm.results import take_prompt_hidden_states
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, extra_args=ASK if ask else None)
     for prompt in prompts[:warmup]:

@@ -16,11 +16,12 @@ by the worker), and what it knows itself is the configuration:
   ``update_state_after_alloc`` and ``update_connector_output`` are the
   tier's (no external tokens without one); ``request_finished`` delays a
   free only while a tier load still holds the request's blocks, and returns
-  ``{"omnicache_request_id": <engine core id>}`` as the request's
-  ``kv_transfer_params`` when it asked for its prompt's hidden states, which
-  is how the caller learns the id the worker knows (vLLM 0.32 appends a
-  random suffix to the id a caller gives), with the scheduler side's own
-  parameters (``omnicache_external_tokens`` with a tier);
+  ``{"omnicache_request_id": <engine core id>, "omnicache_result_key":
+  <secret>}`` as the request's ``kv_transfer_params`` when it asked for its
+  prompt's hidden states, which is how the caller learns the id the worker
+  knows (vLLM 0.32 appends a random suffix to the id a caller gives) and
+  the key that takes the result (`result_key`), with the scheduler side's
+  own parameters (``omnicache_external_tokens`` with a tier);
 - worker side: ``register_kv_caches`` keeps vLLM's KV caches for the worker;
   ``start_load_kv`` hands the step's plan to the worker side, which clears
   stamps and loads the tier's blocks; ``get_finished`` reports every load of
@@ -51,7 +52,10 @@ Importing this module needs vLLM 0.32 or 0.33.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from omnicache.integrations.vllm.common import (
@@ -64,6 +68,7 @@ from omnicache.integrations.vllm.common import (
 from omnicache.integrations.vllm.plan import (
     EXTERNAL_TOKENS_PARAM,
     REQUEST_ID_PARAM,
+    RESULT_KEY_PARAM,
     SchedulerSide,
     StepPlan,
     WorkerSide,
@@ -93,6 +98,7 @@ __all__ = [
     "EXTERNAL_TOKENS_PARAM",
     "PROMPT_HIDDEN_STATES",
     "REQUEST_ID_PARAM",
+    "RESULT_KEY_PARAM",
     "OmniStepMetadata",
     "OmniStoreConnector",
 ]
@@ -147,6 +153,7 @@ class OmniStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # caller as it is; a worker's would end its process first.
             _check_parallel(vllm_config.parallel_config, tier=self.tier is not None)
         self.kv_caches: dict[str, torch.Tensor] = {}
+        self._secret = secrets.token_bytes(32)
         self._scheduler_side: SchedulerSide | None = None
         self._worker_side: WorkerSide | None = None
         self._load_errors: set[int] = set()
@@ -241,14 +248,30 @@ class OmniStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OmniStepMetadata:
         if self._scheduler_side is not None:
-            return OmniStepMetadata(self._scheduler_side.step_plan(scheduler_output))
-        if self._caching:
+            plan = self._scheduler_side.step_plan(scheduler_output)
+        elif self._caching:
             raise RuntimeError(
                 f"{CONNECTOR_NAME}: with prefix caching on, expected "
                 f"scheduler_cls={SCHEDULER_CLS!r} (a hit must come with its rows), found "
                 "another scheduler"
             )
-        return OmniStepMetadata(uncached_plan(scheduler_output))
+        else:
+            plan = uncached_plan(scheduler_output)
+        if plan.prompt_requests:
+            keys = {req_id: self._result_key(req_id) for req_id in plan.prompt_requests}
+            plan = replace(plan, result_keys=keys)
+        return OmniStepMetadata(plan)
+
+    def _result_key(self, req_id: str) -> str:
+        """The secret that takes request ``req_id``'s prompt result from the worker.
+
+        NOTE: a request id alone is no secret (a client may choose it, and it
+        shows in logs); the key is an HMAC of it under a secret drawn when
+        the engine starts, so the scheduler can give it to the worker (in the
+        plan) and to the caller (in ``kv_transfer_params``) without keeping
+        any state between the two, and no one else can compute it.
+        """
+        return hmac.new(self._secret, req_id.encode(), hashlib.sha256).hexdigest()[:32]
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -257,6 +280,7 @@ class OmniStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         delay = False
         if asks(request.request_id, request.sampling_params):
             params[REQUEST_ID_PARAM] = request.request_id
+            params[RESULT_KEY_PARAM] = self._result_key(request.request_id)
         if self._scheduler_side is not None:
             delay, more = self._scheduler_side.finished(request)
             params.update(more)

@@ -26,6 +26,7 @@ from omnicache.integrations.vllm.common import wants_prompt_hidden_states
 __all__ = [
     "EXTERNAL_TOKENS_PARAM",
     "REQUEST_ID_PARAM",
+    "RESULT_KEY_PARAM",
     "LoadOrder",
     "PlannedRequest",
     "SchedulerSide",
@@ -41,6 +42,8 @@ __all__ = [
 
 REQUEST_ID_PARAM = "omnicache_request_id"
 """The ``kv_transfer_params`` key of the engine core's id of a request that asked."""
+RESULT_KEY_PARAM = "omnicache_result_key"
+"""The ``kv_transfer_params`` key of the secret that takes a request's prompt result."""
 EXTERNAL_TOKENS_PARAM = "omnicache_external_tokens"
 """The ``kv_transfer_params`` key of the tokens a request's first admission loaded from the tier."""
 
@@ -98,6 +101,9 @@ class StepPlan:
     # Requests new to the worker that asked for their prompt's hidden states:
     # request id -> number of prompt tokens.
     prompt_requests: Mapping[str, int] = field(default_factory=dict)
+    # The secret that takes each of their results (the connector's, given
+    # back to the caller with the request's id): request id -> key.
+    result_keys: Mapping[str, str] = field(default_factory=dict)
     cleared_block_ids: tuple[int, ...] = ()
     reset: bool = False
     invalidated_block_ids: tuple[int, ...] = ()

@@ -54,9 +54,10 @@ Writes come before reads because vLLM caches a block as soon as it is
 allocated: a request scheduled in the same step as the one computing a block
 can hit it, and its rows exist once the step's rows are written.
 
-Results are taken with ``LLM.collective_rpc(TAKE_METHOD, args=(ids,))``, or
-`take_prompt_hidden_states` (the ids are those of ``kv_transfer_params``,
-see the connector). At most ``max_prompt_results`` (``kv_connector_extra_config``,
+Results are taken by request id and key, the two of ``kv_transfer_params``
+(see the connector), with the worker's ``omni_take_prompt_hidden_states``:
+`results.take_prompt_hidden_states` for ``LLM``, the server's route of
+`results.OmniEndpoints`. At most ``max_prompt_results`` (``kv_connector_extra_config``,
 default 256) untaken results are kept; the oldest untaken one goes first
 (``num_results_dropped``); a request that finishes before all its prompt
 positions were seen is dropped (``num_incomplete_dropped``). A request whose
@@ -73,10 +74,11 @@ connector refuses to start. `OmniCPUWorker` runs in the live tests;
 
 from __future__ import annotations
 
+import hmac
 import importlib
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -92,12 +94,8 @@ from omnicache.integrations.vllm.common import (
     vllm_series,
 )
 from omnicache.integrations.vllm.connector import OmniStepMetadata, OmniStoreConnector
-from omnicache.integrations.vllm.plan import (
-    REQUEST_ID_PARAM,
-    PlannedRequest,
-    StepPlan,
-    planned_slots,
-)
+from omnicache.integrations.vllm.plan import PlannedRequest, StepPlan, planned_slots
+from omnicache.integrations.vllm.results import encode_result
 from omnicache.integrations.vllm.tier import WorkerTier
 from omnicache.store import HIDDEN_STATES, StaleBlockError, TensorStore
 
@@ -118,7 +116,6 @@ __all__ = [
     "FLUSH_METHOD",
     "GPU_WORKER_CLS",
     "STATS_METHOD",
-    "TAKE_METHOD",
     "WORKER_CLS",
     "LiveStore",
     "LiveStoreStats",
@@ -127,12 +124,8 @@ __all__ = [
     "OmniWorkerMixin",
     "PromptLogprobs",
     "PromptScorer",
-    "decode_rows",
-    "encode_rows",
-    "take_prompt_hidden_states",
 ]
 
-TAKE_METHOD = "omni_take_prompt_hidden_states"
 STATS_METHOD = "omni_live_store_stats"
 FLUSH_METHOD = "omni_tier_flush"
 DEFAULT_MAX_PROMPT_RESULTS = 256
@@ -175,6 +168,8 @@ class _Prompt:
     """The prompt rows of one request, gathered chunk by chunk."""
 
     num_tokens: int
+    # The secret that takes the result (`connector.OmniStoreConnector`'s).
+    key: str
     # (first position, rows), in position order.
     chunks: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
@@ -194,6 +189,10 @@ class _Prompt:
         if position < self.num_tokens:
             return None
         return torch.cat([part for _, part in self.chunks])
+
+
+def _nbytes(rows: torch.Tensor) -> int:
+    return rows.numel() * rows.element_size()
 
 
 class PromptScorer(Protocol):
@@ -246,7 +245,8 @@ class LiveStore:
         self.scorer = scorer
         self.max_results = check_int("max_results", max_results, minimum=1)
         self._prompts: dict[str, _Prompt] = {}
-        self._results: OrderedDict[str, torch.Tensor | None] = OrderedDict()
+        # Request id -> (its key, its rows or None).
+        self._results: OrderedDict[str, tuple[str, torch.Tensor | None]] = OrderedDict()
         self._stats = LiveStoreStats()
         self._begun: StepPlan | None = None
 
@@ -267,7 +267,7 @@ class LiveStore:
             store.invalidate(plan.cleared_block_ids)
             self._stats.num_cleared_blocks += len(plan.cleared_block_ids)
         for req_id, num_tokens in plan.prompt_requests.items():
-            self._prompts[req_id] = _Prompt(num_tokens)
+            self._prompts[req_id] = _Prompt(num_tokens, plan.result_keys[req_id])
 
     def start_step(self, plan: StepPlan) -> set[int]:
         """`begin`, then the plan's tier loads (of waiting requests, none in this step).
@@ -342,19 +342,35 @@ class LiveStore:
             self.tier.save(store, stamped)
         return stamped
 
-    def take(self, request_ids: Iterable[str]) -> dict[str, torch.Tensor | None]:
-        """Removes and returns the prompt results of the requests that have one.
+    def take(
+        self, requests: Mapping[str, str], *, max_bytes: int | None = None
+    ) -> dict[str, torch.Tensor | int | None]:
+        """Removes and returns the prompt results of requests, each given with its key.
+
+        Args:
+            requests: request id -> the key of its result (``kv_transfer_params``).
+            max_bytes: the largest result taken (None: any); a larger one is
+                left in place.
 
         Returns:
-            Request id -> ``(num_prompt_tokens, hidden)`` rows, or None when
-            its hit could not be read (stale); ids without a result are left
-            out.
+            Request id -> ``(num_prompt_tokens, hidden)`` rows; None when its
+            hit could not be read (stale); or, for a result over
+            ``max_bytes``, its size in bytes (not taken). Requests without a
+            result, or given another key, are left out.
         """
-        found: dict[str, torch.Tensor | None] = {}
-        for index, req_id in enumerate(request_ids):
-            check_str(f"request_ids[{index}]", req_id)
-            if req_id in self._results:
-                found[req_id] = self._results.pop(req_id)
+        found: dict[str, torch.Tensor | int | None] = {}
+        for req_id, key in requests.items():
+            check_str("requests (an id)", req_id)
+            check_str(f"requests[{req_id!r}]", key)
+            kept = self._results.get(req_id)
+            if kept is None or not hmac.compare_digest(kept[0].encode(), key.encode()):
+                continue
+            rows = kept[1]
+            if rows is not None and max_bytes is not None and _nbytes(rows) > max_bytes:
+                found[req_id] = _nbytes(rows)
+                continue
+            del self._results[req_id]
+            found[req_id] = rows
         return found
 
     def _batch(self, plan: StepPlan, batch_order: Sequence[str]) -> list[PlannedRequest]:
@@ -450,12 +466,12 @@ class LiveStore:
         scorer.score(item.req_id, item.start, hit_rows)
 
     def _finish(self, req_id: str, rows: torch.Tensor | None) -> None:
-        del self._prompts[req_id]
+        prompt = self._prompts.pop(req_id)
         if rows is None:
             self._stats.num_prompt_failures += 1
         else:
             self._stats.num_prompt_results += 1
-        self._results[req_id] = rows
+        self._results[req_id] = (prompt.key, rows)
         while len(self._results) > self.max_results:
             self._results.popitem(last=False)
             self._stats.num_results_dropped += 1
@@ -517,13 +533,15 @@ class PromptLogprobs:
             # first rows (this one) only if it has none yet.
             tensors = self._empty(len(prompt) - 1, k + 1)
             state.in_progress_prompt_logprobs_cpu = tensors
+        device = runner.device
+        targets = torch.tensor(prompt[1 : num_tokens + 1], dtype=torch.int64, device=device)
         if rows is None:
-            tensors.logprob_token_ids[:num_tokens] = -1
+            # NOTE: each position then names its prompt token alone (vLLM
+            # decodes every id it returns), with no value and no rank.
+            tensors.logprob_token_ids[:num_tokens] = targets.to("cpu", torch.int32)[:, None]
             tensors.logprobs[:num_tokens] = float("nan")
             tensors.selected_token_ranks[:num_tokens] = -1
             return
-        device = runner.device
-        targets = torch.tensor(prompt[1 : num_tokens + 1], dtype=torch.int64, device=device)
         raw = runner.model_config.logprobs_mode in ("raw_logits", "processed_logits")
         size = max(1, int(runner.max_num_tokens))
         for first in range(0, num_tokens, size):
@@ -713,20 +731,17 @@ class OmniWorkerMixin:
     # -- collective_rpc methods ------------------------------------------------------
 
     def omni_take_prompt_hidden_states(
-        self, request_ids: Sequence[str]
+        self, requests: Mapping[str, str], max_bytes: int | None = None
     ) -> dict[str, dict[str, Any] | None]:
-        """Removes and returns the prompt results of ``request_ids`` (engine core ids), encoded.
+        """`LiveStore.take`, encoded for vLLM's transport (`results.encode_result`).
 
         NOTE: vLLM's msgpack transport from the engine core to the caller
-        turns tensors into nested lists; plain bytes travel as they are (see
-        `decode_rows`).
+        turns tensors into nested lists; plain bytes travel as they are.
         """
         if self.omni_store is None:
             return {}
-        return {
-            req_id: None if rows is None else encode_rows(rows)
-            for req_id, rows in self.omni_store.take(request_ids).items()
-        }
+        taken = self.omni_store.take(requests, max_bytes=max_bytes)
+        return {req_id: encode_result(value) for req_id, value in taken.items()}
 
     def omni_live_store_stats(self) -> dict[str, int | float]:
         """The live store's counters and its store's, the latter prefixed ``store_``.
@@ -784,57 +799,3 @@ def __getattr__(name: str) -> type:
     )
     globals()[name] = worker
     return worker
-
-
-# -- results ----------------------------------------------------------------------------
-
-
-def encode_rows(rows: torch.Tensor) -> dict[str, Any]:
-    """A tensor as plain values: dtype name, shape and raw bytes (copied to the CPU)."""
-    rows = rows.detach().to("cpu").contiguous()
-    return {
-        "dtype": str(rows.dtype).removeprefix("torch."),
-        "shape": list(rows.shape),
-        "data": rows.view(torch.uint8).numpy().tobytes(),
-    }
-
-
-def decode_rows(value: dict[str, Any]) -> torch.Tensor:
-    """The tensor `encode_rows` encoded."""
-    dtype = getattr(torch, value["dtype"])
-    return torch.frombuffer(bytearray(value["data"]), dtype=dtype).reshape(value["shape"])
-
-
-def take_prompt_hidden_states(llm: Any, outputs: Sequence[Any]) -> list[torch.Tensor | None]:
-    """The prompt hidden states of finished ``outputs`` of ``llm``, in order; taken once.
-
-    Args:
-        llm: a ``vllm.LLM`` with `OmniCPUWorker` and `OmniStoreConnector`.
-        outputs: ``RequestOutput`` s of requests that asked for their prompt's
-            hidden states.
-
-    Returns:
-        Per output, ``(num_prompt_tokens, hidden)`` rows, or None when the
-        worker found a hit it could not read (see `LiveStoreStats`).
-
-    Raises:
-        ValueError: an output that did not ask, or whose result is gone
-            (taken already, or dropped past ``max_prompt_results``).
-    """
-    ids: list[str] = []
-    for index, output in enumerate(outputs):
-        params = getattr(output, "kv_transfer_params", None) or {}
-        if REQUEST_ID_PARAM not in params:
-            raise ValueError(
-                f"outputs[{index}]: expected kv_transfer_params with {REQUEST_ID_PARAM!r} (a "
-                f"request that asked for its prompt's hidden states), found {params!r}"
-            )
-        ids.append(params[REQUEST_ID_PARAM])
-    (found, *_) = llm.collective_rpc(TAKE_METHOD, args=(ids,))
-    missing = [req_id for req_id in ids if req_id not in found]
-    if missing:
-        raise ValueError(
-            f"outputs: expected a prompt result for each request, found none for {missing} "
-            "(taken already, or dropped past max_prompt_results)"
-        )
-    return [None if found[req_id] is None else decode_rows(found[req_id]) for req_id in ids]
