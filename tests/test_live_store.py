@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 import torch
@@ -19,7 +21,7 @@ from omnicache.store import HIDDEN_STATES, TensorStore
 # NOTE: the worker's module imports vLLM (it is the worker's room); its store needs no engine.
 pytestmark = pytest.mark.skipif(VLLM_MISSING is not None, reason=VLLM_MISSING or "")
 if VLLM_MISSING is None:
-    from omnicache.integrations.vllm.worker import LiveStore
+    from omnicache.integrations.vllm.worker import LiveStore, ScoredPrompt
 
 BS = 4  # tokens per block
 HIDDEN = 3
@@ -117,7 +119,8 @@ def test_a_hit_on_a_cleared_block_is_counted_and_never_served() -> None:
         1,
         1,
     )
-    assert live.store.stats.num_stale_reads == 1
+    # Found stale when verified: its rows were never read.
+    assert (live.store.stats.num_stale_reads, live.store.stats.num_hit_blocks_read) == (0, 0)
 
 
 def test_slots_other_than_planned_stamp_nothing() -> None:
@@ -192,17 +195,24 @@ def test_a_result_is_taken_with_its_key_only_and_within_the_size_asked() -> None
 
 
 class Scores:
-    """A scorer that scores every request in ``wanted`` by keeping what it was handed."""
+    """A scorer that scores every request in ``wanted`` by keeping the rows it was handed."""
 
     def __init__(self, wanted: set[str]) -> None:
         self.wanted = wanted
         self.scored: list[tuple[str, int, torch.Tensor | None]] = []
+        self.num_rows: list[int] = []
 
     def wants(self, req_id: str) -> bool:
         return req_id in self.wanted
 
-    def score(self, req_id: str, num_tokens: int, rows: torch.Tensor | None) -> None:
-        self.scored.append((req_id, num_tokens, None if rows is None else rows.clone()))
+    def score(self, rows: torch.Tensor, block_size: int, prompts: Sequence[ScoredPrompt]) -> None:
+        self.num_rows.append(len(rows))
+        for prompt in prompts:
+            mine = None
+            if prompt.blocks is not None:
+                mine = rows.view(-1, block_size, HIDDEN)[list(prompt.blocks)].flatten(0, 1)
+                assert len(mine) == prompt.num_tokens
+            self.scored.append((prompt.req_id, prompt.num_tokens, mine))
 
 
 def test_the_scorer_gets_each_verified_hit_s_rows_once_and_none_for_a_stale_hit() -> None:
@@ -237,7 +247,12 @@ def test_the_scorer_gets_each_verified_hit_s_rows_once_and_none_for_a_stale_hit(
     assert [(req_id, num) for req_id, num, _ in scorer.scored] == [("b", 8), ("c", 4)]
     assert torch.equal(scorer.scored[0][2], rows(100, 8))  # type: ignore[arg-type]
     assert torch.equal(scorer.scored[1][2], rows(100, 4))  # type: ignore[arg-type]
-    assert live.store.stats.num_hit_blocks_read == 3
+    # Block 1 is in both hits, and the hidden states of "b" come from the same
+    # read: each block is read once in the step.
+    assert scorer.num_rows == [2 * BS]
+    assert live.store.stats.num_hit_blocks_read == 2
+    (b_rows,) = live.take({"b": "key-b"}).values()
+    assert torch.equal(b_rows, torch.cat([rows(100, 8), rows(500, 2)]))  # type: ignore[arg-type]
     stats = live.stats
     assert (stats.num_scored_requests, stats.num_scored_tokens, stats.num_score_failures) == (
         2,
@@ -252,4 +267,5 @@ def test_the_scorer_gets_each_verified_hit_s_rows_once_and_none_for_a_stale_hit(
     )
     live.apply(third, ["b"], rows(900, 1), slots_of(third, ["b"]))
     assert scorer.scored[-1] == ("b", 8, None)
+    assert scorer.num_rows == [2 * BS, 0]
     assert live.stats.num_score_failures == 1

@@ -197,6 +197,20 @@ def test_prompt_logprobs_equal_an_engine_without_caching(
     assert stats["num_score_failures"] == 0
 
 
+def distinct_hit_blocks(hits: list[int]) -> int:
+    """The hit blocks of each wave, each counted once: block 0 holds the text before the
+    image (the salt's), the others the image's (the salt's and the image's)."""
+    total, index = 0, 0
+    for wave in WAVES:
+        blocks = set()
+        for seed, salt in wave:
+            for block in range(hits[index] // live.BLOCK_SIZE):
+                blocks.add((salt, None if block == 0 else seed, block))
+            index += 1
+        total += len(blocks)
+    return total
+
+
 def test_hits_are_vllms_own_and_every_hit_read_its_stamped_rows(
     runs: dict[str, dict[str, Any]],
 ) -> None:
@@ -213,7 +227,13 @@ def test_hits_are_vllms_own_and_every_hit_read_its_stamped_rows(
     # each one from its own store: nothing stale, nothing missing.
     assert stats["num_hit_blocks"] == sum(hits) // live.BLOCK_SIZE
     assert stats["num_hit_requests"] == sum(1 for hit in hits if hit)
-    assert stats["store_num_hit_blocks_read"] == stats["num_hit_blocks"]
+    # Each hit block was read once in its step, however many of the step's
+    # requests hit it: at least once per wave (whose requests reach the
+    # engine core over one or more steps, as the multiprocess timing falls),
+    # and fewer times than the hits' blocks (some of a wave's requests share
+    # blocks and start in one step).
+    reads = stats["store_num_hit_blocks_read"]
+    assert distinct_hit_blocks(hits) <= reads < stats["num_hit_blocks"]
     assert stats["num_stale_hit_blocks"] == 0
     assert stats["store_num_stale_reads"] == 0
     assert stats["num_slot_mismatches"] == 0

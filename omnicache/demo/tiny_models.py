@@ -182,23 +182,29 @@ def _save_renamed(model: Any, path: Path, renames: dict[str, str]) -> None:
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
+def _widened(kwargs: dict[str, Any], hidden_size: int) -> dict[str, Any]:
+    """A text model's config widened to ``hidden_size`` (heads of 32 values, the MLP twice
+    as wide): a tiny-but-wide model whose steps move rows as wide as a real model's."""
+    if hidden_size == kwargs["hidden_size"]:
+        return kwargs
+    return {
+        **kwargs,
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "num_attention_heads": hidden_size // 32,
+        "num_key_value_heads": 2,
+    }
+
+
 def build_text_model(path: Path, *, hidden_size: int = 128) -> Path:
     """A tiny Qwen2 causal LM and its tokenizer in ``path``; returns ``path``.
 
-    ``hidden_size`` widens it (heads of 32 values, the MLP twice as wide):
-    a tiny-but-wide model whose steps move rows as wide as a real model's.
+    ``hidden_size`` widens it (`_widened`).
     """
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = _tokenizer()
-    kwargs = _text_config_kwargs(_token_ids(tokenizer))
-    if hidden_size != 128:
-        kwargs.update(
-            hidden_size=hidden_size,
-            intermediate_size=2 * hidden_size,
-            num_attention_heads=hidden_size // 32,
-            num_key_value_heads=2,
-        )
+    kwargs = _widened(_text_config_kwargs(_token_ids(tokenizer)), hidden_size)
     config = Qwen2Config(**kwargs)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
@@ -207,8 +213,12 @@ def build_text_model(path: Path, *, hidden_size: int = 128) -> Path:
     return path
 
 
-def build_vl_model(path: Path) -> Path:
-    """A tiny Qwen2-VL, its tokenizer and its processor in ``path``; returns ``path``."""
+def build_vl_model(path: Path, *, hidden_size: int = 128) -> Path:
+    """A tiny Qwen2-VL, its tokenizer and its processor in ``path``; returns ``path``.
+
+    ``hidden_size`` widens its language model (`_widened`), and the vision
+    tower's output with it.
+    """
     from transformers import (
         Qwen2VLConfig,
         Qwen2VLForConditionalGeneration,
@@ -219,13 +229,13 @@ def build_vl_model(path: Path) -> Path:
 
     tokenizer = _tokenizer()
     ids = _token_ids(tokenizer)
-    text = _text_config_kwargs(ids)
+    text = _widened(_text_config_kwargs(ids), hidden_size)
     config = Qwen2VLConfig(
         text_config={**text, "rope_parameters": _MROPE},
         vision_config={
             "depth": 2,
             "embed_dim": 64,
-            "hidden_size": 128,
+            "hidden_size": hidden_size,
             "num_heads": 2,
             "mlp_ratio": 2,
             "patch_size": 14,

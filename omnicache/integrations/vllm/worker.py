@@ -80,7 +80,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -97,7 +97,7 @@ from omnicache.integrations.vllm.connector import OmniStepMetadata, OmniStoreCon
 from omnicache.integrations.vllm.plan import PlannedRequest, StepPlan, planned_slots
 from omnicache.integrations.vllm.results import encode_result
 from omnicache.integrations.vllm.tier import WorkerTier
-from omnicache.store import HIDDEN_STATES, StaleBlockError, TensorStore
+from omnicache.store import HIDDEN_STATES, TensorStore
 
 vllm_series()  # vLLM imports this module by name: fail here, with the install hint.
 
@@ -124,6 +124,7 @@ __all__ = [
     "OmniWorkerMixin",
     "PromptLogprobs",
     "PromptScorer",
+    "ScoredPrompt",
 ]
 
 STATS_METHOD = "omni_live_store_stats"
@@ -195,18 +196,34 @@ def _nbytes(rows: torch.Tensor) -> int:
     return rows.numel() * rows.element_size()
 
 
+class ScoredPrompt(NamedTuple):
+    """A request whose hit positions are scored in a step (see `PromptScorer`)."""
+
+    req_id: str
+    # The hit's tokens: its first positions.
+    num_tokens: int
+    # The hit's blocks, as indices into the step's rows of hit blocks; None
+    # when the hit's rows could not be read (a block lost its key).
+    blocks: tuple[int, ...] | None
+
+
 class PromptScorer(Protocol):
-    """What scores a hit's prompt positions from their stored rows (`PromptLogprobs`)."""
+    """What scores hits' prompt positions from their stored rows (`PromptLogprobs`)."""
 
     def wants(self, req_id: str) -> bool:
         """Whether the request's prompt positions are scored (it asked for prompt logprobs)."""
         ...
 
-    def score(self, req_id: str, num_tokens: int, rows: torch.Tensor | None) -> None:
-        """Scores the request's first ``num_tokens`` prompt positions from their ``rows``.
+    def score(self, rows: torch.Tensor, block_size: int, prompts: Sequence[ScoredPrompt]) -> None:
+        """Scores each prompt's first positions from the step's ``rows`` of hit blocks.
 
-        ``rows`` is None when the hit's rows could not be read (stale): those
-        positions then get no value that could pass for one.
+        Args:
+            rows: ``(num_blocks * block_size, hidden)``: each hit block of the
+                step once, in the order the prompts' ``blocks`` index.
+            block_size: tokens per block.
+            prompts: the requests, each position ``p`` of one from row
+                ``blocks[p // block_size] * block_size + p % block_size``; one
+                without blocks gets no value that could pass for one.
         """
         ...
 
@@ -410,60 +427,84 @@ class LiveStore:
         return {block_id: keys[block_id] for block_id in result.stamped_block_ids}
 
     def _read(self, batch: list[PlannedRequest], hidden_states: torch.Tensor) -> None:
+        """Verifies the step's hits; gathers prompt rows; scores hits' positions.
+
+        NOTE: the hit blocks of every request that needs their rows are read
+        once per step, however many requests share them (a harness sends many
+        prompts behind one long prefix).
+        """
         offset = 0
         scorer = self.scorer
+        # (request, its step rows, its hit verified, asks, scores) of those needing hit rows.
+        needs: list[tuple[PlannedRequest, torch.Tensor, bool, _Prompt | None, bool]] = []
         for item in batch:
             rows = hidden_states[offset : offset + item.num_new]
             offset += item.num_new
+            verified = True
             if item.hit_block_ids:
                 self._stats.num_hit_requests += 1
                 self._stats.num_hit_blocks += len(item.hit_block_ids)
                 valid = self.store.probe(item.hit_block_ids, item.hit_block_keys)
                 self._stats.num_stale_hit_blocks += len(item.hit_block_ids) - valid
+                verified = valid == len(item.hit_block_ids)
             prompt = self._prompts.get(item.req_id)
-            asks = prompt is not None and item.start < prompt.num_tokens
+            if prompt is not None and item.start >= prompt.num_tokens:
+                prompt = None
             scores = bool(item.hit_block_ids) and scorer is not None and scorer.wants(item.req_id)
-            if not (asks or scores):
-                continue
-            # The hit's rows, read once for both results (None: a block lost its key).
-            hit_rows = self._read_hit(item) if item.hit_block_ids else None
-            if asks:
-                assert prompt is not None
-                if not item.hit_block_ids:
-                    whole = prompt.add(item.start, rows.clone())
-                elif hit_rows is None:
+            if prompt is not None and not item.hit_block_ids:
+                self._add(item.req_id, prompt, item.start, rows.clone())
+            elif prompt is not None or scores:
+                needs.append((item, rows, verified, prompt, scores))
+        if not needs:
+            return
+        index: dict[int, int] = {}
+        keys: list[BlockHash] = []
+        for item, _, verified, _, _ in needs:
+            for block_id, key in zip(item.hit_block_ids, item.hit_block_keys, strict=True):
+                if verified and block_id not in index:
+                    index[block_id] = len(index)
+                    keys.append(key)
+        # NOTE: every block read belongs to a hit verified above: none is stale.
+        bs, hidden = self.store.block_size, hidden_states.shape[-1]
+        hit_rows = (
+            self.store.read_blocks(HIDDEN_STATES, list(index), keys)
+            if index
+            else hidden_states.new_empty(0, hidden)
+        )
+        blocks = hit_rows.view(len(index), bs, hidden)
+        scored: list[ScoredPrompt] = []
+        for item, rows, verified, prompt, scores in needs:
+            ids = tuple(index[block_id] for block_id in item.hit_block_ids) if verified else None
+            if prompt is not None:
+                if ids is None:
                     self._finish(item.req_id, None)
-                    whole = None
                 else:
-                    whole = prompt.add(0, torch.cat([hit_rows, rows]))
-                if whole is not None:
-                    self._finish(item.req_id, whole)
+                    hit = blocks[list(ids)].flatten(0, 1)
+                    self._add(item.req_id, prompt, 0, torch.cat([hit, rows]))
             if scores:
-                assert scorer is not None
-                self._score(scorer, item, hit_rows)
+                scored.append(ScoredPrompt(item.req_id, item.start, ids))
+                self._count_scored(item, ids is not None)
+        if scored:
+            assert scorer is not None
+            scorer.score(hit_rows, bs, scored)
 
-    def _read_hit(self, item: PlannedRequest) -> torch.Tensor | None:
-        """The rows of a request's hit blocks, None if one does not hold its key."""
-        try:
-            return self.store.read_blocks(HIDDEN_STATES, item.hit_block_ids, item.hit_block_keys)
-        except StaleBlockError:
-            return None
+    def _add(self, req_id: str, prompt: _Prompt, start: int, rows: torch.Tensor) -> None:
+        whole = prompt.add(start, rows)
+        if whole is not None:
+            self._finish(req_id, whole)
 
-    def _score(
-        self, scorer: PromptScorer, item: PlannedRequest, hit_rows: torch.Tensor | None
-    ) -> None:
-        if hit_rows is None:
-            self._stats.num_score_failures += 1
-            _LOG.warning(
-                "request %s: its prefix hit's rows could not be read; the prompt logprobs of "
-                "its first %d positions are NaN",
-                item.req_id,
-                item.start,
-            )
-        else:
+    def _count_scored(self, item: PlannedRequest, read: bool) -> None:
+        if read:
             self._stats.num_scored_requests += 1
             self._stats.num_scored_tokens += item.start
-        scorer.score(item.req_id, item.start, hit_rows)
+            return
+        self._stats.num_score_failures += 1
+        _LOG.warning(
+            "request %s: its prefix hit's rows could not be read; the prompt logprobs of its "
+            "first %d positions are NaN",
+            item.req_id,
+            item.start,
+        )
 
     def _finish(self, req_id: str, rows: torch.Tensor | None) -> None:
         prompt = self._prompts.pop(req_id)
@@ -522,40 +563,54 @@ class PromptLogprobs:
     def wants(self, req_id: str) -> bool:
         return req_id in self._runner.num_prompt_logprobs
 
-    def score(self, req_id: str, num_tokens: int, rows: torch.Tensor | None) -> None:
+    def score(self, rows: torch.Tensor, block_size: int, prompts: Sequence[ScoredPrompt]) -> None:
         runner = self._runner
-        k = runner.num_prompt_logprobs[req_id]
-        state = runner.requests[req_id]
-        prompt = state.prompt_token_ids
-        tensors = state.in_progress_prompt_logprobs_cpu
-        if tensors is None:
-            # NOTE: vLLM makes it in the step that computes the request's
-            # first rows (this one) only if it has none yet.
-            tensors = self._empty(len(prompt) - 1, k + 1)
-            state.in_progress_prompt_logprobs_cpu = tensors
         device = runner.device
-        targets = torch.tensor(prompt[1 : num_tokens + 1], dtype=torch.int64, device=device)
-        if rows is None:
-            # NOTE: each position then names its prompt token alone (vLLM
-            # decodes every id it returns), with no value and no rank.
-            tensors.logprob_token_ids[:num_tokens] = targets.to("cpu", torch.int32)[:, None]
-            tensors.logprobs[:num_tokens] = float("nan")
-            tensors.selected_token_ranks[:num_tokens] = -1
-            return
+        # Per prompt: its k, its logprob tensors, its positions' targets and rows.
+        todo: list[tuple[int, Any, torch.Tensor, torch.Tensor]] = []
+        for prompt in prompts:
+            k = runner.num_prompt_logprobs[prompt.req_id]
+            state = runner.requests[prompt.req_id]
+            tensors = state.in_progress_prompt_logprobs_cpu
+            if tensors is None:
+                # NOTE: vLLM makes it in the step that computes the request's
+                # first rows (this one) only if it has none yet.
+                tensors = self._empty(len(state.prompt_token_ids) - 1, k + 1)
+                state.in_progress_prompt_logprobs_cpu = tensors
+            targets = torch.tensor(
+                state.prompt_token_ids[1 : prompt.num_tokens + 1], dtype=torch.int64
+            )
+            if prompt.blocks is None:
+                # NOTE: each position then names its prompt token alone (vLLM
+                # decodes every id it returns), with no value and no rank.
+                tensors.logprob_token_ids[: prompt.num_tokens] = targets[:, None]
+                tensors.logprobs[: prompt.num_tokens] = float("nan")
+                tensors.selected_token_ranks[: prompt.num_tokens] = -1
+                continue
+            first = torch.tensor(prompt.blocks, dtype=torch.int64)[:, None] * block_size
+            row_of = (first + torch.arange(block_size)).flatten()
+            todo.append((k, tensors, targets, row_of))
         raw = runner.model_config.logprobs_mode in ("raw_logits", "processed_logits")
         size = max(1, int(runner.max_num_tokens))
-        for first in range(0, num_tokens, size):
-            last = min(first + size, num_tokens)
-            logits = runner.model.compute_logits(rows[first:last].to(device))
+        for start in range(0, len(rows) if todo else 0, size):
+            stop = min(start + size, len(rows))
+            logits = runner.model.compute_logits(rows[start:stop].to(device))
             # NOTE: prompt tokens skip the sampling processors, so vLLM's
             # processed_* and raw_* modes give the same scores for them.
             scores = logits.to(torch.float32) if raw else runner.sampler.compute_logprobs(logits)
-            token_ids, logprobs, ranks, *_ = runner.sampler.gather_logprobs(
-                scores, k, targets[first:last]
-            )
-            tensors.logprob_token_ids[first:last].copy_(token_ids)
-            tensors.logprobs[first:last].copy_(logprobs)
-            tensors.selected_token_ranks[first:last].copy_(ranks)
+            for k, tensors, targets, row_of in todo:
+                inside = (row_of >= start) & (row_of < stop)
+                positions = inside.nonzero().flatten()
+                if not len(positions):
+                    continue
+                token_ids, logprobs, ranks, *_ = runner.sampler.gather_logprobs(
+                    scores[(row_of[positions] - start).to(device)],
+                    k,
+                    targets[positions].to(device),
+                )
+                tensors.logprob_token_ids[positions] = token_ids.to("cpu", torch.int32)
+                tensors.logprobs[positions] = logprobs.to("cpu")
+                tensors.selected_token_ranks[positions] = ranks.to("cpu", torch.int32)
 
 
 # -- capture and the worker -----------------------------------------------------------
