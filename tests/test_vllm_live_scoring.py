@@ -261,3 +261,42 @@ def test_bad_scoring_requests_change_nothing(store_llm: Any) -> None:
     after = stats_of(store_llm)
     assert after["num_scored_requests"] == after["num_score_failures"] == 0
     assert after["num_hit_requests"] == before["num_hit_requests"]
+
+
+# -- per-token embeddings ---------------------------------------------------------------
+
+
+def embed(llm: Any, indices: list[int]) -> list[Any]:
+    outputs: list[Any] = []
+    for index in indices:
+        outputs += llm.encode(
+            [{"prompt_token_ids": PREFIX + question(index)}],
+            pooling_task="token_embed",
+            use_tqdm=False,
+        )
+    return outputs
+
+
+def test_per_token_embeddings_of_a_hit_come_from_the_store(
+    text_model: Path, in_process: None
+) -> None:
+    import torch
+    from vllm import LLM
+
+    pooling = {"runner": "pooling", "pooler_config": {"task": "token_embed"}}
+    # Prefills in chunks of 3 blocks: vLLM's pooler gathers the rows chunk by chunk.
+    store = LLM(**store_args(text_model, max_num_batched_tokens=CHUNK, **pooling))
+    got = embed(store, [0, 1, 2, 1])
+    (stats,) = store.collective_rpc("omni_live_store_stats")
+    live.shut(store)
+    off = LLM(**off_args(text_model, **pooling))
+    want = embed(off, [0, 1, 2, 1])
+    live.shut(off)
+    full = (len(PREFIX) + 34 - 1) // live.BLOCK_SIZE * live.BLOCK_SIZE
+    assert [output.num_cached_tokens for output in got] == [0, len(PREFIX), len(PREFIX), full]
+    assert [output.num_cached_tokens for output in want] == [0, 0, 0, 0]
+    for mine, theirs in zip(got, want, strict=True):
+        assert tuple(mine.outputs.data.shape) == (len(PREFIX) + 34, 128)
+        assert torch.allclose(mine.outputs.data, theirs.outputs.data, atol=1e-5, rtol=1e-5)
+    assert stats["num_scored_requests"] == 3
+    assert stats["num_scored_tokens"] == 2 * len(PREFIX) + full

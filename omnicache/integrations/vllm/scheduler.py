@@ -59,7 +59,7 @@ __all__ = [
     "NAMESPACE_ENV",
     "OmniScheduler",
     "algorithm_from_env",
-    "reads_prefix_for_prompt_logprobs",
+    "reads_prefix_from_store",
 ]
 
 ALGORITHM_ENV = "OMNICACHE_BLOCK_ALGORITHM"
@@ -122,8 +122,8 @@ class OmniScheduler(Scheduler):  # type: ignore[misc]
     def add_request(self, request: Any) -> None:
         """Keys a new request with omnicache keys, then queues it as vLLM does.
 
-        With the store, a request that asks for prompt logprobs reads the
-        prefix cache (`reads_prefix_for_prompt_logprobs`).
+        With the store, a request that asks for prompt logprobs or per-token
+        embeddings reads the prefix cache (`reads_prefix_from_store`).
         """
         if request.request_id not in self.requests:
             # NOTE: the request keeps its hasher and calls it on every
@@ -131,30 +131,38 @@ class OmniScheduler(Scheduler):  # type: ignore[misc]
             request._block_hasher = self.omni_block_hasher
             request.block_hashes.clear()
             request.update_block_hashes()
-            if self.omni_mirror is not None and reads_prefix_for_prompt_logprobs(request):
+            if self.omni_mirror is not None and reads_prefix_from_store(
+                request, chunked_prefill=bool(self.scheduler_config.enable_chunked_prefill)
+            ):
                 request.skip_reading_prefix_cache = False
         super().add_request(request)
 
 
-def reads_prefix_for_prompt_logprobs(request: Any) -> bool:
-    """Whether a request that vLLM keeps off the prefix cache for its prompt logprobs can read it.
+def reads_prefix_from_store(request: Any, *, chunked_prefill: bool) -> bool:
+    """Whether a request vLLM keeps off the prefix cache for its per-position outputs can read it.
 
     vLLM sets ``skip_reading_prefix_cache`` on every request with
-    ``prompt_logprobs`` (its model runner computes them only from the rows it
-    computes). With omnicache's store, every hit comes with its rows, and the
-    worker computes the hit positions' logprobs from them as vLLM computes
-    the rest (`worker.PromptLogprobs`). Not for a request that set the flag
-    for another reason: none asked of vLLM's pooling, none with
+    ``prompt_logprobs`` and on pooling's ``token_embed``: its model runner
+    computes those outputs only from the rows it computes. With omnicache's
+    store every hit comes with its rows, and the worker gives vLLM the hit
+    positions' outputs from them (`worker.PromptOutputs`): prompt logprobs
+    by vLLM's own recipe; per-token embeddings as the hit's rows at the head
+    of the rows vLLM's pooler gathers chunk by chunk, which it does only
+    with chunked prefill on.
+
+    Not for a request that set the flag for another reason: none with
     ``prompt_logprob_token_ids`` (vLLM serves them with its V2 model runner
     only, which omnicache's worker refuses), none with prompt embeddings
-    (vLLM computes no prompt logprobs for them).
+    (vLLM computes no prompt logprobs for them), no other pooling task.
     """
+    if not request.skip_reading_prefix_cache or request.prompt_token_ids is None:
+        return False
+    pooling = request.pooling_params
+    if pooling is not None:
+        return chunked_prefill and pooling.task == "token_embed"
     params = request.sampling_params
     return (
-        bool(request.skip_reading_prefix_cache)
-        and params is not None
-        and request.pooling_params is None
+        params is not None
         and params.prompt_logprobs is not None
         and getattr(params, "prompt_logprob_token_ids", None) is None
-        and request.prompt_token_ids is not None
     )

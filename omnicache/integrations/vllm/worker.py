@@ -12,25 +12,27 @@ with prefix caching on, the `OmniScheduler`.
 
 - After the model loads, the model runner's ``_model_forward`` (vLLM's
   override point for the forward pass, which calls the model however it is
-  wrapped, CUDA graphs included) is wrapped to keep each step's output: the
+  wrapped, CUDA graphs included) is wrapped to take each step's output: the
   final hidden states, before the LM head, one row per scheduled token
   (padding after them), with the forward context's slot mapping of the KV
   cache group (the slots the attention layers wrote the step's keys and
   values to: ``block_id * block_size + offset``) and the model runner's
-  batch order. It keeps them only inside ``execute_model``, so warm-up and
+  batch order. It takes them only inside ``execute_model``, so warm-up and
   profiling runs are ignored.
 - Once the KV cache is allocated, a `TensorStore` with the KV cache's
   blocks and block size holds a `HIDDEN_STATES` entry of the model's dtype
   on the CPU (its size: KV blocks x block size x hidden size values), kept
   by a `LiveStore`, the worker side the connector hands each step's plan to.
-- In the connector's ``start_load_kv`` (which vLLM calls after launching the
-  forward pass when the step has no synchronous load, as is always the case
-  here), `LiveStore.start_step` clears the stamps of blocks vLLM handed out
-  again and, with a tier, fills the blocks of waiting requests from it;
-  after the step, `LiveStore.apply`
-  writes the rows, verifies the step's hits, gathers the prompt rows of
-  requests that asked and saves every block the step stamped to the tier.
-  ``collective_rpc(FLUSH_METHOD)`` waits until they are written.
+- Right after the forward pass, inside ``_model_forward`` (before vLLM
+  samples or pools the step), `LiveStore.apply` clears the stamps of blocks
+  vLLM handed out again, writes the rows, verifies the step's hits, gives
+  the hits' positions their outputs (prompt hidden states, prompt logprobs,
+  per-token embeddings) and saves every block the step stamped to the tier
+  (``collective_rpc(FLUSH_METHOD)`` waits until they are written). A step
+  without a forward pass is applied after ``execute_model``.
+- In the connector's ``start_load_kv`` (which vLLM calls after the forward
+  pass when the step has no synchronous load, as is always the case here),
+  `LiveStore.start_step` fills the blocks of waiting requests from the tier.
 
 How `LiveStore` applies a step's plan, in the plan's order:
 
@@ -47,8 +49,9 @@ How `LiveStore` applies a step's plan, in the plan's order:
    and is never served; requests that asked for their prompt's hidden states
    get the hit blocks' rows from the store and the rest from the step's rows;
    requests that asked for prompt logprobs get those of the hit's positions
-   computed from the hit's rows (`PromptLogprobs`), before vLLM's model
-   runner computes the rest when it samples the step.
+   computed from the hit's rows, and requests that asked for per-token
+   embeddings the hit's rows (`PromptOutputs`), before vLLM's model runner
+   computes the rest when it samples or pools the step.
 
 Writes come before reads because vLLM caches a block as soon as it is
 allocated: a request scheduled in the same step as the one computing a block
@@ -122,7 +125,7 @@ __all__ = [
     "OmniCPUWorker",
     "OmniGPUWorker",
     "OmniWorkerMixin",
-    "PromptLogprobs",
+    "PromptOutputs",
     "PromptScorer",
     "ScoredPrompt",
 ]
@@ -208,7 +211,7 @@ class ScoredPrompt(NamedTuple):
 
 
 class PromptScorer(Protocol):
-    """What scores hits' prompt positions from their stored rows (`PromptLogprobs`)."""
+    """What scores hits' prompt positions from their stored rows (`PromptOutputs`)."""
 
     def wants(self, req_id: str) -> bool:
         """Whether the request's prompt positions are scored (it asked for prompt logprobs)."""
@@ -273,7 +276,12 @@ class LiveStore:
         return replace(self._stats, num_pending_results=len(self._results))
 
     def begin(self, plan: StepPlan) -> None:
-        """Applies the start of a step's plan: cleared stamps, new prompt requests (once)."""
+        """Applies the start of a step's plan: cleared stamps, new prompt requests.
+
+        Once per plan: `start_step` and `apply` both begin the step, in either
+        order (vLLM starts a step's loads after its forward pass, which is
+        where the store applies the step).
+        """
         if self._begun is plan:
             return
         self._begun = plan
@@ -340,7 +348,6 @@ class LiveStore:
         store = self.store
         self._stats.num_steps += 1
         self.begin(plan)
-        self._begun = None
         batch: list[PlannedRequest] = []
         stamped: dict[int, BlockHash] = {}
         if hidden_states is not None and plan.requests:
@@ -518,25 +525,31 @@ class LiveStore:
             self._stats.num_results_dropped += 1
 
 
-# -- prompt logprobs from the store ------------------------------------------------------
+# -- prompt outputs from the store ------------------------------------------------------
 
 
-class PromptLogprobs:
-    """The prompt logprobs of a hit's positions, from the hit's stored rows (a `PromptScorer`).
+class PromptOutputs:
+    """A hit's per-position outputs, from the hit's stored rows (a `PromptScorer`).
 
-    vLLM's model runner computes a request's prompt logprobs from the rows it
-    computes, from ``num_computed_tokens`` on, into the request's
-    ``in_progress_prompt_logprobs_cpu``, when it samples the step
-    (``_get_prompt_logprobs_dict``). A hit's positions are filled in here
-    first, in the same step, by the same recipe: the model's
-    ``compute_logits`` over the rows, the scores of the engine's
-    ``logprobs_mode`` and the sampler's ``gather_logprobs`` of the request's
-    ``k`` and the next prompt token. Rows are scored in batches of at most
-    the runner's ``max_num_tokens`` (the most vLLM scores at once).
+    vLLM's model runner computes a request's per-position outputs from the
+    rows it computes, from ``num_computed_tokens`` on; a hit's positions are
+    filled in here first, in the same step, right after the forward pass:
+
+    - prompt logprobs (a generating model): vLLM computes them into the
+      request's ``in_progress_prompt_logprobs_cpu`` when it samples the step
+      (``_get_prompt_logprobs_dict``). A hit's positions get them by the same
+      recipe: the model's ``compute_logits`` over the rows, the scores of the
+      engine's ``logprobs_mode`` and the sampler's ``gather_logprobs`` of the
+      request's ``k`` and the next prompt token, in batches of at most the
+      runner's ``max_num_tokens`` rows (the most vLLM scores at once);
+    - per-token embeddings (pooling's ``token_embed``): vLLM's pooler gathers
+      a request's rows chunk by chunk in its ``pooling_states`` (chunked
+      prefill on) and runs its head over them once the prompt is complete.
+      The hit's rows go first in that list.
 
     Raises:
-        RuntimeError: a model runner without what the recipe uses (the
-            message names it).
+        RuntimeError: a model runner without what these use (the message
+            names it).
     """
 
     __slots__ = ("_empty", "_runner")
@@ -544,26 +557,57 @@ class PromptLogprobs:
     def __init__(self, runner: Any) -> None:
         from vllm.v1.outputs import LogprobsTensors
 
-        for owner, names in (
-            (runner, ("num_prompt_logprobs", "requests", "max_num_tokens", "device", "sampler")),
-            (runner, ("model", "model_config", "_get_prompt_logprobs_dict")),
-            (getattr(runner, "sampler", None), ("compute_logprobs", "gather_logprobs")),
-            (getattr(runner, "model", None), ("compute_logits",)),
-            (LogprobsTensors, ("empty_cpu",)),
-        ):
+        needed: list[tuple[Any, tuple[str, ...]]] = [
+            (runner, ("requests", "num_prompt_logprobs", "device", "is_pooling_model"))
+        ]
+        if not getattr(runner, "is_pooling_model", True):
+            needed += [
+                (runner, ("max_num_tokens", "model_config", "_get_prompt_logprobs_dict")),
+                (getattr(runner, "sampler", None), ("compute_logprobs", "gather_logprobs")),
+                (getattr(runner, "model", None), ("compute_logits",)),
+                (LogprobsTensors, ("empty_cpu",)),
+            ]
+        for owner, names in needed:
             missing = [name for name in names if not hasattr(owner, name)]
             if missing:
                 raise RuntimeError(
-                    f"{WORKER_CLS}: expected vLLM's V1 model runner to compute prompt logprobs "
+                    f"{WORKER_CLS}: expected vLLM's V1 model runner to compute prompt outputs "
                     f"with {', '.join(names)} of {type_name(owner)}, found no {missing}"
                 )
         self._runner = runner
         self._empty = LogprobsTensors.empty_cpu
 
     def wants(self, req_id: str) -> bool:
-        return req_id in self._runner.num_prompt_logprobs
+        if req_id in self._runner.num_prompt_logprobs:
+            return True
+        return _embeds_tokens(self._runner.requests[req_id])
 
     def score(self, rows: torch.Tensor, block_size: int, prompts: Sequence[ScoredPrompt]) -> None:
+        runner = self._runner
+        scored: list[ScoredPrompt] = []
+        for prompt in prompts:
+            state = runner.requests[prompt.req_id]
+            if not _embeds_tokens(state):
+                scored.append(prompt)
+                continue
+            # NOTE: the hit's rows replace whatever the list holds: a request
+            # resumed after preemption starts its rows over from its hit.
+            state.pooling_states.hidden_states_cache[:] = [
+                torch.full(
+                    (prompt.num_tokens, rows.shape[-1]),
+                    float("nan"),
+                    dtype=rows.dtype,
+                    device=runner.device,
+                )
+                if prompt.blocks is None
+                else rows[_rows_of(prompt.blocks, block_size)].to(runner.device)
+            ]
+        if scored:
+            self._logprobs(rows, block_size, scored)
+
+    def _logprobs(
+        self, rows: torch.Tensor, block_size: int, prompts: Sequence[ScoredPrompt]
+    ) -> None:
         runner = self._runner
         device = runner.device
         # Per prompt: its k, its logprob tensors, its positions' targets and rows.
@@ -587,9 +631,7 @@ class PromptLogprobs:
                 tensors.logprobs[: prompt.num_tokens] = float("nan")
                 tensors.selected_token_ranks[: prompt.num_tokens] = -1
                 continue
-            first = torch.tensor(prompt.blocks, dtype=torch.int64)[:, None] * block_size
-            row_of = (first + torch.arange(block_size)).flatten()
-            todo.append((k, tensors, targets, row_of))
+            todo.append((k, tensors, targets, _rows_of(prompt.blocks, block_size)))
         raw = runner.model_config.logprobs_mode in ("raw_logits", "processed_logits")
         size = max(1, int(runner.max_num_tokens))
         for start in range(0, len(rows) if todo else 0, size):
@@ -613,28 +655,36 @@ class PromptLogprobs:
                 tensors.selected_token_ranks[positions] = ranks.to("cpu", torch.int32)
 
 
+def _embeds_tokens(state: Any) -> bool:
+    """Whether a request of the runner asked for per-token embeddings."""
+    params = getattr(state, "pooling_params", None)
+    return params is not None and params.task == "token_embed"
+
+
+def _rows_of(blocks: tuple[int, ...], block_size: int) -> torch.Tensor:
+    """The rows of ``blocks`` (indices of blocks in a step's rows), position by position."""
+    first = torch.tensor(blocks, dtype=torch.int64)[:, None] * block_size
+    return (first + torch.arange(block_size)).flatten()
+
+
 # -- capture and the worker -----------------------------------------------------------
 
 
 class _Capture:
-    """Wraps the model runner's ``_model_forward``: keeps a step's rows, slots and batch order.
+    """Wraps the model runner's ``_model_forward``: applies each step's plan to its rows.
 
     vLLM calls ``_model_forward`` once per forward pass, inside the forward
     context, with the model however vLLM wrapped it (a CUDA graph wrapper
     replays a graph without calling the module, so a forward hook on the
-    module would not see such a step). The rows it returns are vLLM's
-    output buffer: they are read in the same step, before the next replay.
+    module would not see such a step). Right after it returns, in the same
+    step, the live store applies the step's plan to the rows (vLLM's output
+    buffer, read before the next replay) at the forward context's slots, in
+    the model runner's batch order: before vLLM samples the step (and
+    scores prompt positions) or pools it, which read what the store gives
+    the hits' positions.
     """
 
-    __slots__ = (
-        "batch_order",
-        "forward",
-        "hidden_states",
-        "layer_name",
-        "num_calls",
-        "runner",
-        "slots",
-    )
+    __slots__ = ("forward", "layer_name", "live", "num_calls", "plan", "runner")
 
     def __init__(self, runner: Any) -> None:
         forward = getattr(runner, "_model_forward", None)
@@ -645,28 +695,31 @@ class _Capture:
             )
         self.runner = runner
         self.forward: Callable[..., Any] = forward
-        self.layer_name: str | None = None
-        self.hidden_states: torch.Tensor | None = None
-        self.slots: torch.Tensor | None = None
-        self.batch_order: list[str] = []
+        self.layer_name = ""
+        self.live: LiveStore | None = None
+        self.plan: StepPlan | None = None
         self.num_calls = 0
         runner._model_forward = self
 
-    def arm(self, layer_name: str) -> None:
-        self.layer_name = layer_name
-        self.hidden_states = None
-        self.slots = None
-        self.batch_order = []
+    def arm(self, layer_name: str, live: LiveStore, plan: StepPlan) -> None:
+        self.layer_name, self.live, self.plan = layer_name, live, plan
         self.num_calls = 0
 
-    def disarm(self) -> None:
-        self.layer_name = None
+    def disarm(self) -> int:
+        """Stops applying; returns the number of forward passes since `arm`."""
+        self.live = self.plan = None
+        return self.num_calls
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         output = self.forward(*args, **kwargs)
-        if self.layer_name is None:
+        live, plan = self.live, self.plan
+        if live is None or plan is None:
             return output
         self.num_calls += 1
+        if self.num_calls > 1:
+            raise RuntimeError(
+                f"{WORKER_CLS}: expected one forward pass per step, found {self.num_calls}"
+            )
         rows = output[0] if isinstance(output, tuple) else output
         if not isinstance(rows, torch.Tensor):
             raise RuntimeError(
@@ -680,9 +733,8 @@ class _Capture:
                 f"{self.layer_name!r}, found {type_name(mapping)}"
             )
         batch = self.runner.input_batch
-        self.hidden_states = rows
-        self.slots = mapping[self.layer_name]
-        self.batch_order = [req_id for req_id in batch.req_ids[: batch.num_reqs] if req_id]
+        order = [req_id for req_id in batch.req_ids[: batch.num_reqs] if req_id]
+        live.apply(plan, order, rows, mapping[self.layer_name])
         return output
 
 
@@ -713,13 +765,13 @@ class OmniWorkerMixin:
                 "runner (VLLM_USE_V2_MODEL_RUNNER=0 selects V1)"
             )
         self._omni_capture: _Capture | None = None
-        self._omni_scorer: PromptLogprobs | None = None
+        self._omni_scorer: PromptOutputs | None = None
         self._omni_layer: str | None = None
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)  # type: ignore[misc]
         self._omni_capture = _Capture(self.model_runner)
-        self._omni_scorer = PromptLogprobs(self.model_runner)
+        self._omni_scorer = PromptOutputs(self.model_runner)
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
@@ -769,18 +821,14 @@ class OmniWorkerMixin:
                 f"{type(self).__name__}: expected {CONNECTOR_NAME}'s step metadata, found "
                 f"{type_name(metadata)}"
             )
-        capture.arm(self._omni_layer)
+        capture.arm(self._omni_layer, live, metadata.plan)
         try:
             output = super().execute_model(scheduler_output)  # type: ignore[misc]
         finally:
-            capture.disarm()
-        if capture.num_calls > 1:
-            raise RuntimeError(
-                f"{type(self).__name__}: expected one forward pass per step, found "
-                f"{capture.num_calls}"
-            )
-        live.apply(metadata.plan, capture.batch_order, capture.hidden_states, capture.slots)
-        capture.hidden_states = capture.slots = None
+            num_forward = capture.disarm()
+        if num_forward == 0:
+            # NOTE: a step without a forward pass still clears, loads and finishes.
+            live.apply(metadata.plan)
         return output
 
     # -- collective_rpc methods ------------------------------------------------------
