@@ -157,8 +157,9 @@ class LiveStoreStats:
     num_slot_mismatches: int = 0
     num_prompt_results: int = 0
     num_prompt_failures: int = 0
-    # Requests with prompt logprobs whose hit positions were scored from the
-    # store, those positions, and hits that could not be (their logprobs NaN).
+    # Requests whose hit positions got their outputs from the store (prompt
+    # logprobs, per-token embeddings), those positions, and hits that could
+    # not be read (their outputs NaN).
     num_scored_requests: int = 0
     num_scored_tokens: int = 0
     num_score_failures: int = 0
@@ -214,7 +215,7 @@ class PromptScorer(Protocol):
     """What scores hits' prompt positions from their stored rows (`PromptOutputs`)."""
 
     def wants(self, req_id: str) -> bool:
-        """Whether the request's prompt positions are scored (it asked for prompt logprobs)."""
+        """Whether the request's prompt positions are scored (prompt logprobs or embeddings)."""
         ...
 
     def score(self, rows: torch.Tensor, block_size: int, prompts: Sequence[ScoredPrompt]) -> None:
@@ -242,8 +243,9 @@ class LiveStore:
             and a `HIDDEN_STATES` entry.
         max_results: prompt results kept until taken.
         tier: the tier blocks are loaded from and saved to (None: none).
-        scorer: scores the hit positions of requests that ask for prompt
-            logprobs, from the hit's rows (None: none asks).
+        scorer: gives the hit positions of requests that ask for prompt
+            logprobs or per-token embeddings their outputs, from the hit's
+            rows (None: none asks).
     """
 
     def __init__(
@@ -384,7 +386,7 @@ class LiveStore:
         """
         found: dict[str, torch.Tensor | int | None] = {}
         for req_id, key in requests.items():
-            check_str("requests (an id)", req_id)
+            check_str("request id", req_id)
             check_str(f"requests[{req_id!r}]", key)
             kept = self._results.get(req_id)
             if kept is None or not hmac.compare_digest(kept[0].encode(), key.encode()):
@@ -507,8 +509,8 @@ class LiveStore:
             return
         self._stats.num_score_failures += 1
         _LOG.warning(
-            "request %s: its prefix hit's rows could not be read; the prompt logprobs of its "
-            "first %d positions are NaN",
+            "request %s: its prefix hit's rows could not be read; the outputs (prompt "
+            "logprobs, embeddings) of its first %d positions are NaN",
             item.req_id,
             item.start,
         )
