@@ -20,7 +20,7 @@ by the worker), and what it knows itself is the configuration:
   <secret>}`` as the request's ``kv_transfer_params`` when it asked for its
   prompt's hidden states, which is how the caller learns the id the worker
   knows (vLLM 0.32 appends a random suffix to the id a caller gives) and
-  the key that takes the result (`result_key`), with the scheduler side's
+  the key that takes the result (`_result_key`), with the scheduler side's
   own parameters (``omnicache_external_tokens`` with a tier);
 - worker side: ``register_kv_caches`` keeps vLLM's KV caches for the worker;
   ``start_load_kv`` hands the step's plan to the worker side, which clears
