@@ -194,6 +194,35 @@ def test_a_result_is_taken_with_its_key_only_and_within_the_size_asked() -> None
         live.take({"a": 1})  # type: ignore[dict-item]
 
 
+def test_every_position_is_gathered_until_the_request_finishes_or_its_count_is_taken() -> None:
+    live = new_live()
+    # "a": a prompt of 5 in two chunks, then 3 decode steps; "b" the same, finished later.
+    for req_id in ("a", "b"):
+        first = StepPlan(
+            False,
+            (PlannedRequest(req_id, 0, 3),),
+            prompt_requests={req_id: 5},
+            sequence_requests=frozenset({req_id}),
+            result_keys={req_id: f"k-{req_id}"},
+        )
+        live.apply(first, [req_id], rows(0, 3))
+        for start, count in ((3, 2), (5, 1), (6, 1), (7, 1)):
+            live.apply(StepPlan(False, (PlannedRequest(req_id, start, count),)), [req_id],
+                       rows(start, count))  # fmt: skip
+    # Finished for its caller before the worker hears of it: its count takes it.
+    assert live.take({"a": "k-a"}) == {}
+    assert live.take({"a": "k-b"}, num_positions={"a": 8}) == {}
+    found = live.take({"a": "k-a"}, num_positions={"a": 8})
+    assert torch.equal(found["a"], rows(0, 8))  # type: ignore[arg-type]
+    assert live.take({"a": "k-a"}, num_positions={"a": 8}) == {}
+    # Finished in the plan: complete; a count past its rows serves nothing.
+    live.apply(StepPlan(False, finished_req_ids=("a", "b")))
+    assert live.stats.num_incomplete_dropped == 0
+    assert live.take({"b": "k-b"}, num_positions={"b": 9}) == {"b": None}
+    with pytest.raises(ValueError, match=r"num_positions\['b'\]: expected int >= 0, found -1"):
+        live.take({"b": "k-b"}, num_positions={"b": -1})
+
+
 class Scores:
     """A scorer that scores every request in ``wanted`` by keeping the rows it was handed."""
 

@@ -21,9 +21,11 @@ from test_vllm_integration import BLUE, BLUE_HEX, RED, RED_HEX, VLLM_MISSING
 
 from hashing import hash_audio, hash_image
 from omnicache.integrations.vllm.common import (
+    ALL_HIDDEN_STATES,
     CONNECTOR_NAME,
     PROMPT_HIDDEN_STATES,
     check_request_fields,
+    wants_hidden_states,
 )
 from omnicache.integrations.vllm.identifiers import (
     DataLessItemError,
@@ -220,8 +222,8 @@ def test_a_request_that_cannot_be_served_as_it_asks_is_refused() -> None:
     with pytest.raises(ValueError) as info:
         check_request_fields(params(**{"omnicache_prompt_hidden_state": 1}), kv_connector=None)
     assert str(info.value) == (
-        "extra_args: expected omnicache fields among ('omnicache_prompt_hidden_states',), "
-        "found 'omnicache_prompt_hidden_state'"
+        "extra_args: expected omnicache fields among ('omnicache_prompt_hidden_states', "
+        "'omnicache_all_hidden_states'), found 'omnicache_prompt_hidden_state'"
     )
     with pytest.raises(ValueError) as info:
         check_request_fields(params(n=2, **ask), kv_connector=CONNECTOR_NAME)
@@ -237,6 +239,39 @@ def test_a_request_that_cannot_be_served_as_it_asks_is_refused() -> None:
             f"states (kv_transfer_config naming 'OmniStoreConnector'), found kv_connector "
             f"{connector!r}"
         )
+
+
+def test_every_position_is_asked_without_stop_strings_and_wins_over_the_prompt() -> None:
+    from vllm import SamplingParams
+
+    every = {ALL_HIDDEN_STATES: True}
+    assert wants_hidden_states(params(**every)) == "all"
+    assert wants_hidden_states(params(**every, **{PROMPT_HIDDEN_STATES: 1})) == "all"
+    assert wants_hidden_states(params(**{ALL_HIDDEN_STATES: 0, PROMPT_HIDDEN_STATES: 1})) == (
+        "prompt"
+    )
+    assert wants_hidden_states(params()) is None
+    # Stop token ids end a request in the engine: served.
+    check_request_fields(
+        SamplingParams(max_tokens=4, stop_token_ids=[7], extra_args=every),
+        kv_connector=CONNECTOR_NAME,
+    )
+    # The prompt's rows alone do not depend on where the request stops.
+    check_request_fields(
+        SamplingParams(max_tokens=4, stop=["x"], extra_args={PROMPT_HIDDEN_STATES: True}),
+        kv_connector=CONNECTOR_NAME,
+    )
+    with pytest.raises(ValueError) as info:
+        check_request_fields(
+            SamplingParams(max_tokens=4, stop=["x"], extra_args=every), kv_connector=CONNECTOR_NAME
+        )
+    assert str(info.value) == (
+        "extra_args['omnicache_all_hidden_states']: expected no stop strings (the front end "
+        "finds them after the engine computed further positions; stop_token_ids end the request "
+        "in the engine), found stop=['x']"
+    )
+    with pytest.raises(ValueError, match=r"extra_args\['omnicache_all_hidden_states'\]: expected"):
+        check_request_fields(params(**{ALL_HIDDEN_STATES: "yes"}), kv_connector=CONNECTOR_NAME)
 
 
 # -- the patches: capabilities, not versions --------------------------------------------

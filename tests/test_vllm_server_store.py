@@ -49,6 +49,8 @@ CONNECTOR = json.dumps(
 )
 WORKER = "omnicache.integrations.vllm.worker.OmniCPUWorker"
 ASK = {"omnicache_prompt_hidden_states": 1}
+ASK_ALL = {"omnicache_all_hidden_states": 1}
+EVERY_TOKENS = 5
 FEW_SHOT = " ".join(
     f"Question {i}: which colour is the sky at noon? Answer: blue." for i in range(12)
 )
@@ -190,10 +192,16 @@ def reference(vl_model: Path, served: dict[str, Any]) -> dict[str, Any]:
             chats += llm.chat(chat_messages(url), chat_params, use_tqdm=False)
         from omnicache.integrations.vllm.results import take_prompt_hidden_states
 
+        every = SamplingParams(
+            max_tokens=EVERY_TOKENS, temperature=0, ignore_eos=True, extra_args=ASK_ALL
+        )
+        (sequence,) = llm.generate([{"prompt_token_ids": ids[0]}], every, use_tqdm=False)
         return {
             "outputs": outputs,
             "chats": chats,
             "states": take_prompt_hidden_states(llm, outputs),
+            "sequence": sequence,
+            "sequence_states": take_prompt_hidden_states(llm, [sequence])[0],
         }
     finally:
         if saved is None:
@@ -314,10 +322,13 @@ def test_hidden_states_over_http_equal_an_engine_without_caching_and_are_taken_o
     assert status == 400
     assert error_of(data) == (
         "expected a JSON object with the strings 'omnicache_request_id' and "
-        "'omnicache_result_key' (a response's kv_transfer_params), found NoneType"
+        "'omnicache_result_key' (a response's kv_transfer_params; 'omnicache_num_positions' a "
+        "count if there), found NoneType"
     )
     status, data, _ = post(server, ROUTE, {"omnicache_request_id": handle["omnicache_request_id"]})
     assert (status, error_of(data).endswith("found ['omnicache_request_id']")) == (400, True)
+    status, data, _ = post(server, ROUTE, {**handle, "omnicache_num_positions": "all"})
+    assert status == 400
     # The caller takes them with the key: a safetensors file any reader loads.
     status, data, kind = post(server, ROUTE, handle)
     assert (status, kind) == (200, "application/octet-stream")
@@ -335,6 +346,36 @@ def test_hidden_states_over_http_equal_an_engine_without_caching_and_are_taken_o
     assert fetched is not None and torch.allclose(fetched, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match=r"expected 200, found 404"):
         fetch_prompt_hidden_states(server.url(""), again, api_key=API_KEY)
+
+
+def test_every_positions_hidden_states_over_http_equal_an_engine_without_caching(
+    server: Server, served: dict[str, Any], reference: dict[str, Any]
+) -> None:
+    import torch
+
+    from omnicache.integrations.vllm.results import fetch_prompt_hidden_states
+
+    prompt = FEW_SHOT + " Question: which colour is the sky? Answer:" + CHOICES[0]
+    body = completion(prompt, max_tokens=EVERY_TOKENS, ignore_eos=True, vllm_xargs=ASK_ALL)
+    answer = ask(server, "/v1/completions", body)
+    params = answer["kv_transfer_params"]
+    num_prompt = len(answer["choices"][0]["prompt_token_ids"])
+    # Every token but the last went through the model.
+    assert params["omnicache_num_positions"] == num_prompt + EVERY_TOKENS - 1
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    want = reference["sequence"]
+    assert answer["choices"][0]["token_ids"] == list(want.outputs[0].token_ids)
+    rows = fetch_prompt_hidden_states(server.url(""), params, api_key=API_KEY)
+    expected = reference["sequence_states"]
+    assert rows is not None and rows.shape == expected.shape == (num_prompt + EVERY_TOKENS - 1, 128)
+    assert torch.allclose(rows, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"expected 200, found 404"):
+        fetch_prompt_hidden_states(server.url(""), params, api_key=API_KEY)
+    # A stop string ends a request in the front end, after the engine may have
+    # computed past it: refused, with the reason.
+    status, data, _ = post(server, "/v1/completions", {**body, "stop": ["sky"]})
+    assert status == 400
+    assert "expected no stop strings" in error_of(data)
 
 
 def test_a_result_over_the_size_limit_is_refused_and_kept(server: Server) -> None:

@@ -22,6 +22,7 @@ import logging
 from typing import Any
 
 __all__ = [
+    "ALL_HIDDEN_STATES",
     "CONNECTOR_MODULE",
     "CONNECTOR_NAME",
     "GPU_WORKER_CLS",
@@ -38,6 +39,7 @@ __all__ = [
     "require_vllm",
     "store_kv_transfer_config",
     "vllm_series",
+    "wants_hidden_states",
     "wants_prompt_hidden_states",
 ]
 
@@ -63,7 +65,11 @@ CONNECTOR_NAME = "OmniStoreConnector"
 CONNECTOR_MODULE = "omnicache.integrations.vllm.connector"
 PROMPT_HIDDEN_STATES = "omnicache_prompt_hidden_states"
 """The ``extra_args`` key with which a request asks for its prompt's hidden states."""
-REQUEST_FIELDS = (PROMPT_HIDDEN_STATES,)
+ALL_HIDDEN_STATES = "omnicache_all_hidden_states"
+"""The ``extra_args`` key with which a request asks for the hidden states of every position the
+model computed for it: its prompt's, then those of its generated tokens but the last (which the
+model never reads)."""
+REQUEST_FIELDS = (PROMPT_HIDDEN_STATES, ALL_HIDDEN_STATES)
 """omnicache's request fields: the ``extra_args`` keys it reads (every ``omnicache_`` key is
 its own)."""
 
@@ -77,23 +83,43 @@ def store_kv_transfer_config() -> dict[str, str]:
     }
 
 
-def wants_prompt_hidden_states(sampling_params: Any) -> bool:
-    """Whether a request's sampling parameters ask for its prompt's hidden states.
-
-    Raises:
-        ValueError: the ``extra_args`` entry is there but is not a bool.
-    """
-    extra = getattr(sampling_params, "extra_args", None)
-    if not extra or PROMPT_HIDDEN_STATES not in extra:
+def _flag(extra: Any, key: str) -> bool:
+    if not extra or key not in extra:
         return False
-    value = extra[PROMPT_HIDDEN_STATES]
+    value = extra[key]
     # NOTE: the server's ``vllm_xargs`` carry no bools: 1 and 0 stand for them.
     if not (isinstance(value, bool) or (type(value) is int and value in (0, 1))):
         raise ValueError(
-            f"extra_args[{PROMPT_HIDDEN_STATES!r}]: expected True or False (or 1 or 0), "
-            f"found {value!r}"
+            f"extra_args[{key!r}]: expected True or False (or 1 or 0), found {value!r}"
         )
     return bool(value)
+
+
+def wants_hidden_states(sampling_params: Any) -> str | None:
+    """The hidden states a request's sampling parameters ask for.
+
+    Returns:
+        ``"all"`` (`ALL_HIDDEN_STATES`: every computed position, prompt and
+        generated), ``"prompt"`` (`PROMPT_HIDDEN_STATES`), or None (neither).
+
+    Raises:
+        ValueError: an entry is there but is not a bool.
+    """
+    extra = getattr(sampling_params, "extra_args", None)
+    every = _flag(extra, ALL_HIDDEN_STATES)
+    prompt = _flag(extra, PROMPT_HIDDEN_STATES)
+    if every:
+        return "all"
+    return "prompt" if prompt else None
+
+
+def wants_prompt_hidden_states(sampling_params: Any) -> bool:
+    """Whether a request's sampling parameters ask for hidden states (`wants_hidden_states`).
+
+    Raises:
+        ValueError: an entry is there but is not a bool.
+    """
+    return wants_hidden_states(sampling_params) is not None
 
 
 def check_request_fields(sampling_params: Any, *, kv_connector: str | None) -> None:
@@ -105,10 +131,11 @@ def check_request_fields(sampling_params: Any, *, kv_connector: str | None) -> N
 
     Raises:
         ValueError: an ``omnicache_`` key that is not one of `REQUEST_FIELDS`; a
-            value `wants_prompt_hidden_states` refuses; prompt hidden states
-            asked with ``n`` other than 1 (the choices share one prompt, and a
-            result is taken by the one id the response carries), or of an
-            engine without `CONNECTOR_NAME`.
+            value `wants_hidden_states` refuses; hidden states asked with
+            ``n`` other than 1 (the choices share one prompt, and a result is
+            taken by the one id the response carries), or of an engine
+            without `CONNECTOR_NAME`; every position's asked with stop
+            strings.
     """
     extra = getattr(sampling_params, "extra_args", None) or {}
     for key in extra:
@@ -116,18 +143,29 @@ def check_request_fields(sampling_params: Any, *, kv_connector: str | None) -> N
             raise ValueError(
                 f"extra_args: expected omnicache fields among {REQUEST_FIELDS}, found {key!r}"
             )
-    if not wants_prompt_hidden_states(sampling_params):
+    kind = wants_hidden_states(sampling_params)
+    if kind is None:
         return
+    field = ALL_HIDDEN_STATES if kind == "all" else PROMPT_HIDDEN_STATES
     n = getattr(sampling_params, "n", 1)
     if n != 1:
         raise ValueError(
-            f"extra_args[{PROMPT_HIDDEN_STATES!r}]: expected n=1 (one prompt, one result: ask "
+            f"extra_args[{field!r}]: expected n=1 (one prompt, one result: ask "
             f"the other choices in a second request, which hits the prefix cache), found n={n}"
         )
     if kv_connector != CONNECTOR_NAME:
         raise ValueError(
-            f"extra_args[{PROMPT_HIDDEN_STATES!r}]: expected an engine that keeps hidden states "
+            f"extra_args[{field!r}]: expected an engine that keeps hidden states "
             f"(kv_transfer_config naming {CONNECTOR_NAME!r}), found kv_connector {kv_connector!r}"
+        )
+    stop = getattr(sampling_params, "stop", None)
+    if kind == "all" and stop:
+        # NOTE: vLLM's front end ends a request at a stop string, after the
+        # engine may have computed past it: the rows would not be the output's.
+        raise ValueError(
+            f"extra_args[{field!r}]: expected no stop strings (the front end finds them after "
+            f"the engine computed further positions; stop_token_ids end the request in the "
+            f"engine), found stop={stop!r}"
         )
 
 

@@ -59,6 +59,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from omnicache.integrations.vllm.common import (
+    ALL_HIDDEN_STATES,
     CONNECTOR_MODULE,
     CONNECTOR_NAME,
     PROMPT_HIDDEN_STATES,
@@ -67,6 +68,7 @@ from omnicache.integrations.vllm.common import (
 )
 from omnicache.integrations.vllm.plan import (
     EXTERNAL_TOKENS_PARAM,
+    NUM_POSITIONS_PARAM,
     REQUEST_ID_PARAM,
     RESULT_KEY_PARAM,
     SchedulerSide,
@@ -93,9 +95,11 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = [
+    "ALL_HIDDEN_STATES",
     "CONNECTOR_MODULE",
     "CONNECTOR_NAME",
     "EXTERNAL_TOKENS_PARAM",
+    "NUM_POSITIONS_PARAM",
     "PROMPT_HIDDEN_STATES",
     "REQUEST_ID_PARAM",
     "RESULT_KEY_PARAM",
@@ -173,7 +177,13 @@ class OmniStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def bind_worker_side(self, side: WorkerSide) -> None:
         """Hands the worker's hooks to ``side`` (omnicache's worker calls this once)."""
         if self._worker_side is not None:
-            raise RuntimeError(f"{CONNECTOR_NAME}: expected one worker side, found a second")
+            # NOTE: vLLM keeps one KV connector per process (its KV transfer
+            # group is a global): a second in-process engine finds the first's.
+            raise RuntimeError(
+                f"{CONNECTOR_NAME}: expected one worker side, found a second: vLLM keeps one "
+                "KV connector per process, so at most one engine with it runs in process; run "
+                "the others in vLLM's multiprocess mode (VLLM_ENABLE_V1_MULTIPROCESSING=1)"
+            )
         self._worker_side = side
 
     # -- worker side ------------------------------------------------------------------
@@ -278,9 +288,14 @@ class OmniStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> tuple[bool, dict[str, Any] | None]:
         params: dict[str, Any] = {}
         delay = False
-        if asks(request.request_id, request.sampling_params):
+        kind = asks(request.request_id, request.sampling_params)
+        if kind is not None:
             params[REQUEST_ID_PARAM] = request.request_id
             params[RESULT_KEY_PARAM] = self._result_key(request.request_id)
+        if kind == "all":
+            # NOTE: every token but the last went through the model; the
+            # engine ended the request here, so the caller's output has them all.
+            params[NUM_POSITIONS_PARAM] = request.num_tokens - 1
         if self._scheduler_side is not None:
             delay, more = self._scheduler_side.finished(request)
             params.update(more)

@@ -802,10 +802,12 @@ class StoreMirror:
 
     def step_plan(self, scheduler_output: Any) -> StepPlan:
         """The plan of the step ``scheduler_output`` describes (see `plan`)."""
+        prompts, sequences = prompt_requests(scheduler_output)
         return self.plan(
             scheduled(scheduler_output),
-            prompt_requests(scheduler_output),
+            prompts,
             sorted(scheduler_output.finished_req_ids),
+            sequence_requests=sequences,
         )
 
     def num_external_tokens(self, request: Any, num_computed_tokens: int) -> int:
@@ -929,6 +931,8 @@ class StoreMirror:
         scheduled: Iterable[tuple[str, int, int]],
         prompt_requests: Mapping[str, int],
         finished_req_ids: Iterable[str],
+        *,
+        sequence_requests: Iterable[str] = (),
     ) -> StepPlan:
         """The step's plan, from its ``(request id, start, num_new)`` as vLLM scheduled them.
 
@@ -978,6 +982,7 @@ class StoreMirror:
             requests=tuple(requests),
             block_keys=block_keys,
             prompt_requests=dict(prompt_requests),
+            sequence_requests=frozenset(sequence_requests),
             cleared_block_ids=tuple(self._cleared),
             reset=self._reset,
             invalidated_block_ids=tuple(undone),

@@ -21,10 +21,11 @@ import numpy as np
 import numpy.typing as npt
 
 from omnicache.block_hash import BlockHash
-from omnicache.integrations.vllm.common import wants_prompt_hidden_states
+from omnicache.integrations.vllm.common import wants_hidden_states
 
 __all__ = [
     "EXTERNAL_TOKENS_PARAM",
+    "NUM_POSITIONS_PARAM",
     "REQUEST_ID_PARAM",
     "RESULT_KEY_PARAM",
     "LoadOrder",
@@ -44,6 +45,9 @@ REQUEST_ID_PARAM = "omnicache_request_id"
 """The ``kv_transfer_params`` key of the engine core's id of a request that asked."""
 RESULT_KEY_PARAM = "omnicache_result_key"
 """The ``kv_transfer_params`` key of the secret that takes a request's prompt result."""
+NUM_POSITIONS_PARAM = "omnicache_num_positions"
+"""The ``kv_transfer_params`` key of the rows a request that asked for every position's hidden
+states gets: its tokens but the last, as the engine ended it."""
 EXTERNAL_TOKENS_PARAM = "omnicache_external_tokens"
 """The ``kv_transfer_params`` key of the tokens a request's first admission loaded from the tier."""
 
@@ -101,6 +105,9 @@ class StepPlan:
     # Requests new to the worker that asked for their prompt's hidden states:
     # request id -> number of prompt tokens.
     prompt_requests: Mapping[str, int] = field(default_factory=dict)
+    # Those of them that asked for every position's hidden states (prompt and
+    # generated): their rows are gathered until they finish.
+    sequence_requests: frozenset[str] = frozenset()
     # The secret that takes each of their results (the connector's, given
     # back to the caller with the request's id): request id -> key.
     result_keys: Mapping[str, str] = field(default_factory=dict)
@@ -142,18 +149,18 @@ def planned_slots(
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
-def asks(req_id: str, sampling_params: Any) -> bool:
-    """`wants_prompt_hidden_states`, where a bad value is logged and taken as no.
+def asks(req_id: str, sampling_params: Any) -> str | None:
+    """`wants_hidden_states`, where a bad value is logged and taken as none.
 
     NOTE: the front end refuses a bad value before the request gets here
     (`omnicache.integrations.vllm.frontend`); one that comes another way
     (vLLM's plugins limited by ``VLLM_PLUGINS``) must not stop the engine.
     """
     try:
-        return wants_prompt_hidden_states(sampling_params)
+        return wants_hidden_states(sampling_params)
     except ValueError as error:
-        _LOG.warning("request %s: %s; its prompt's hidden states are not kept", req_id, error)
-        return False
+        _LOG.warning("request %s: %s; its hidden states are not kept", req_id, error)
+        return None
 
 
 def scheduled(scheduler_output: Any) -> Iterator[tuple[str, int, int]]:
@@ -166,21 +173,32 @@ def scheduled(scheduler_output: Any) -> Iterator[tuple[str, int, int]]:
         yield req_id, start, counts[req_id]
 
 
-def prompt_requests(scheduler_output: Any) -> dict[str, int]:
-    """Request id -> prompt tokens of the step's new requests that ask for their hidden states."""
-    return {
-        new.req_id: new.prompt_len
-        for new in scheduler_output.scheduled_new_reqs
-        if asks(new.req_id, new.sampling_params)
-    }
+def prompt_requests(scheduler_output: Any) -> tuple[dict[str, int], frozenset[str]]:
+    """The step's new requests that ask for hidden states.
+
+    Returns:
+        Request id -> prompt tokens, of every one that asks; and the ids of
+        those that ask for every position's (`StepPlan.sequence_requests`).
+    """
+    prompts: dict[str, int] = {}
+    sequences: set[str] = set()
+    for new in scheduler_output.scheduled_new_reqs:
+        kind = asks(new.req_id, new.sampling_params)
+        if kind is not None:
+            prompts[new.req_id] = new.prompt_len
+        if kind == "all":
+            sequences.add(new.req_id)
+    return prompts, frozenset(sequences)
 
 
 def uncached_plan(scheduler_output: Any) -> StepPlan:
     """The plan of a step without prefix caching: every request's rows, nothing stamped."""
+    prompts, sequences = prompt_requests(scheduler_output)
     return StepPlan(
         caching=False,
         requests=tuple(PlannedRequest(*item) for item in scheduled(scheduler_output)),
-        prompt_requests=prompt_requests(scheduler_output),
+        prompt_requests=prompts,
+        sequence_requests=sequences,
         finished_req_ids=tuple(sorted(scheduler_output.finished_req_ids)),
     )
 

@@ -41,13 +41,17 @@ import struct
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from omnicache.checks import type_name
 from omnicache.integrations.vllm.common import CONNECTOR_NAME
-from omnicache.integrations.vllm.plan import REQUEST_ID_PARAM, RESULT_KEY_PARAM
+from omnicache.integrations.vllm.plan import (
+    NUM_POSITIONS_PARAM,
+    REQUEST_ID_PARAM,
+    RESULT_KEY_PARAM,
+)
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -114,32 +118,53 @@ def decode_result(value: dict[str, Any] | None) -> torch.Tensor | int | None:
     return torch.frombuffer(bytearray(value["data"]), dtype=dtype).reshape(value["shape"])
 
 
-def _handle(index: int, params: Any) -> tuple[str, str]:
-    """The id and key of a result, from a response's ``kv_transfer_params``."""
+class _Handle(NamedTuple):
+    """What takes one result: a response's ``kv_transfer_params``, checked."""
+
+    req_id: str
+    key: str
+    # Rows of a request that asked for every position (None: its prompt's).
+    num_positions: int | None
+
+
+def _handle(index: int, params: Any) -> _Handle:
+    """The id, key and count of a result, from a response's ``kv_transfer_params``."""
+    count = params.get(NUM_POSITIONS_PARAM) if isinstance(params, Mapping) else None
     if (
         not isinstance(params, Mapping)
         or not isinstance(params.get(REQUEST_ID_PARAM), str)
         or not isinstance(params.get(RESULT_KEY_PARAM), str)
+        or not (count is None or (type(count) is int and count >= 0))
     ):
         raise ValueError(
             f"outputs[{index}]: expected kv_transfer_params with {REQUEST_ID_PARAM!r} and "
-            f"{RESULT_KEY_PARAM!r} (a request that asked for its prompt's hidden states), "
-            f"found {params!r}"
+            f"{RESULT_KEY_PARAM!r} (a request that asked for its hidden states), and "
+            f"{NUM_POSITIONS_PARAM!r} a count if there, found {params!r}"
         )
-    return params[REQUEST_ID_PARAM], params[RESULT_KEY_PARAM]
+    return _Handle(params[REQUEST_ID_PARAM], params[RESULT_KEY_PARAM], count)
+
+
+def _take_args(handles: Sequence[_Handle], max_bytes: int | None) -> tuple[Any, ...]:
+    """The arguments of the worker's `TAKE_METHOD` for ``handles``."""
+    keys = {handle.req_id: handle.key for handle in handles}
+    counts = {h.req_id: h.num_positions for h in handles if h.num_positions is not None}
+    return (keys, max_bytes, counts)
 
 
 def take_prompt_hidden_states(llm: Any, outputs: Sequence[Any]) -> list[torch.Tensor | None]:
-    """The prompt hidden states of finished ``outputs`` of ``llm``, in order; taken once.
+    """The hidden states finished ``outputs`` of ``llm`` asked for, in order; taken once.
 
     Args:
         llm: a ``vllm.LLM`` with omnicache's worker and `CONNECTOR_NAME`.
         outputs: ``RequestOutput`` s of requests that asked for their prompt's
-            hidden states.
+            hidden states, or for every position's.
 
     Returns:
-        Per output, ``(num_prompt_tokens, hidden)`` rows, or None when the
-        worker found a hit it could not read (see `worker.LiveStoreStats`).
+        Per output, ``(num_prompt_tokens, hidden)`` rows, or, for a request
+        that asked for every position, ``(num_prompt_tokens +
+        num_output_tokens - 1, hidden)`` (the last token never went through
+        the model); None when the worker found a hit it could not read (see
+        `worker.LiveStoreStats`).
 
     Raises:
         ValueError: an output that did not ask, or whose result is gone
@@ -149,16 +174,16 @@ def take_prompt_hidden_states(llm: Any, outputs: Sequence[Any]) -> list[torch.Te
         _handle(index, getattr(output, "kv_transfer_params", None))
         for index, output in enumerate(outputs)
     ]
-    (found, *_) = llm.collective_rpc(TAKE_METHOD, args=(dict(handles),))
-    missing = [req_id for req_id, _ in handles if req_id not in found]
+    (found, *_) = llm.collective_rpc(TAKE_METHOD, args=_take_args(handles, None))
+    missing = [handle.req_id for handle in handles if handle.req_id not in found]
     if missing:
         raise ValueError(
-            f"outputs: expected a prompt result for each request, found none for {missing} "
+            f"outputs: expected a result for each request, found none for {missing} "
             "(taken already, or dropped past max_prompt_results)"
         )
     rows: list[torch.Tensor | None] = []
-    for req_id, _ in handles:
-        value = decode_result(found[req_id])
+    for handle in handles:
+        value = decode_result(found[handle.req_id])
         assert not isinstance(value, int)  # no size limit was asked
         rows.append(value)
     return rows
@@ -276,17 +301,19 @@ async def _take_route(request: Any) -> Any:
     except ValueError:
         body = None
     try:
-        req_id, key = _handle(0, body)
+        handle = _handle(0, body)
     except ValueError:
         return _error(
             400,
             f"expected a JSON object with the strings {REQUEST_ID_PARAM!r} and "
-            f"{RESULT_KEY_PARAM!r} (a response's kv_transfer_params), found "
+            f"{RESULT_KEY_PARAM!r} (a response's kv_transfer_params; "
+            f"{NUM_POSITIONS_PARAM!r} a count if there), found "
             f"{type_name(body) if not isinstance(body, dict) else sorted(body)}",
         )
+    req_id = handle.req_id
     if engine is None:
         return _error(404, "no prompt hidden states: this engine does not keep them")
-    (found, *_) = await engine.collective_rpc(TAKE_METHOD, args=({req_id: key}, max_bytes))
+    (found, *_) = await engine.collective_rpc(TAKE_METHOD, args=_take_args([handle], max_bytes))
     if req_id not in found:
         return _error(
             404,
@@ -333,13 +360,16 @@ def fetch_prompt_hidden_states(
         ValueError: parameters without the id and key, or the server's
             refusal (404: none such, 413: too large, 400), with its message.
     """
-    req_id, key = _handle(0, kv_transfer_params)
+    handle = _handle(0, kv_transfer_params)
+    body: dict[str, Any] = {REQUEST_ID_PARAM: handle.req_id, RESULT_KEY_PARAM: handle.key}
+    if handle.num_positions is not None:
+        body[NUM_POSITIONS_PARAM] = handle.num_positions
     headers = {"Content-Type": "application/json"}
     if api_key is not None:
         headers["Authorization"] = f"Bearer {api_key}"
     request = urllib.request.Request(
         base_url.rstrip("/") + ROUTE,
-        data=json.dumps({REQUEST_ID_PARAM: req_id, RESULT_KEY_PARAM: key}).encode(),
+        data=json.dumps(body).encode(),
         headers=headers,
         method="POST",
     )

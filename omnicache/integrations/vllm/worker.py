@@ -170,9 +170,10 @@ class LiveStoreStats:
 
 @dataclass(slots=True)
 class _Prompt:
-    """The prompt rows of one request, gathered chunk by chunk."""
+    """The rows one request asked for, gathered chunk by chunk."""
 
-    num_tokens: int
+    # Its prompt's tokens; None: every position, until the request finishes.
+    num_tokens: int | None
     # The secret that takes the result (`connector.OmniStoreConnector`'s).
     key: str
     # (first position, rows), in position order.
@@ -182,18 +183,28 @@ class _Prompt:
         """Adds rows from position ``start``; returns the whole prompt once complete.
 
         A chunk replaces every chunk from its start on: a request recomputed
-        after preemption starts over.
+        after preemption starts over. A request of every position is never
+        complete here: it ends when it finishes (`rows`).
         """
         self.chunks = [chunk for chunk in self.chunks if chunk[0] < start]
+        if self.num_tokens is None:
+            self.chunks.append((start, rows))
+            return None
         self.chunks.append((start, rows[: self.num_tokens - start]))
+        return self.rows(self.num_tokens)
+
+    def rows(self, num_rows: int | None = None) -> torch.Tensor | None:
+        """The first ``num_rows`` rows (None: all gathered); None while they have a gap."""
         position = 0
         for first, part in self.chunks:
             if first != position:
                 return None
             position += len(part)
-        if position < self.num_tokens:
+        if num_rows is not None and position < num_rows:
             return None
-        return torch.cat([part for _, part in self.chunks])
+        if not self.chunks:
+            return None
+        return torch.cat([part for _, part in self.chunks])[:num_rows]
 
 
 def _nbytes(rows: torch.Tensor) -> int:
@@ -294,7 +305,8 @@ class LiveStore:
             store.invalidate(plan.cleared_block_ids)
             self._stats.num_cleared_blocks += len(plan.cleared_block_ids)
         for req_id, num_tokens in plan.prompt_requests.items():
-            self._prompts[req_id] = _Prompt(num_tokens, plan.result_keys[req_id])
+            every = req_id in plan.sequence_requests
+            self._prompts[req_id] = _Prompt(None if every else num_tokens, plan.result_keys[req_id])
 
     def start_step(self, plan: StepPlan) -> set[int]:
         """`begin`, then the plan's tier loads (of waiting requests, none in this step).
@@ -362,36 +374,65 @@ class LiveStore:
         if batch and hidden_states is not None:
             self._read(batch, hidden_states)
         for req_id in plan.finished_req_ids:
-            if self._prompts.pop(req_id, None) is not None:
+            prompt = self._prompts.get(req_id)
+            if prompt is not None and prompt.num_tokens is None:
+                self._finish(req_id, prompt.rows())
+            elif self._prompts.pop(req_id, None) is not None:
                 self._stats.num_incomplete_dropped += 1
         if self.tier is not None:
             self.tier.save(store, stamped)
         return stamped
 
     def take(
-        self, requests: Mapping[str, str], *, max_bytes: int | None = None
+        self,
+        requests: Mapping[str, str],
+        *,
+        max_bytes: int | None = None,
+        num_positions: Mapping[str, int] | None = None,
     ) -> dict[str, torch.Tensor | int | None]:
-        """Removes and returns the prompt results of requests, each given with its key.
+        """Removes and returns the results of requests, each given with its key.
 
         Args:
             requests: request id -> the key of its result (``kv_transfer_params``).
             max_bytes: the largest result taken (None: any); a larger one is
                 left in place.
+            num_positions: request id -> its rows, for requests that asked for
+                every position (``omnicache_num_positions`` of its
+                ``kv_transfer_params``). Such a request's result is complete
+                when its caller sees it finish, before the engine's next step
+                tells the worker: with its count, it is taken then.
 
         Returns:
-            Request id -> ``(num_prompt_tokens, hidden)`` rows; None when its
-            hit could not be read (stale); or, for a result over
+            Request id -> ``(num_rows, hidden)`` rows: the prompt's, or every
+            position's; None when its hit could not be read (stale), or when
+            it has fewer rows than its count; or, for a result over
             ``max_bytes``, its size in bytes (not taken). Requests without a
             result, or given another key, are left out.
         """
+        counts = dict(num_positions or {})
+        for req_id, number in counts.items():
+            check_int(f"num_positions[{req_id!r}]", number, minimum=0)
         found: dict[str, torch.Tensor | int | None] = {}
         for req_id, key in requests.items():
             check_str("request id", req_id)
             check_str(f"requests[{req_id!r}]", key)
+            count = counts.get(req_id)
+            if req_id not in self._results:
+                prompt = self._prompts.get(req_id)
+                if (
+                    prompt is None
+                    or prompt.num_tokens is not None
+                    or count is None
+                    or not hmac.compare_digest(prompt.key.encode(), key.encode())
+                ):
+                    continue
+                self._finish(req_id, prompt.rows(count))
             kept = self._results.get(req_id)
             if kept is None or not hmac.compare_digest(kept[0].encode(), key.encode()):
                 continue
             rows = kept[1]
+            if rows is not None and count is not None:
+                rows = rows[:count] if len(rows) >= count else None
             if rows is not None and max_bytes is not None and _nbytes(rows) > max_bytes:
                 found[req_id] = _nbytes(rows)
                 continue
@@ -457,7 +498,8 @@ class LiveStore:
                 self._stats.num_stale_hit_blocks += len(item.hit_block_ids) - valid
                 verified = valid == len(item.hit_block_ids)
             prompt = self._prompts.get(item.req_id)
-            if prompt is not None and item.start >= prompt.num_tokens:
+            limit = None if prompt is None else prompt.num_tokens
+            if limit is not None and item.start >= limit:
                 prompt = None
             scores = bool(item.hit_block_ids) and scorer is not None and scorer.wants(item.req_id)
             if prompt is not None and not item.hit_block_ids:
@@ -836,7 +878,10 @@ class OmniWorkerMixin:
     # -- collective_rpc methods ------------------------------------------------------
 
     def omni_take_prompt_hidden_states(
-        self, requests: Mapping[str, str], max_bytes: int | None = None
+        self,
+        requests: Mapping[str, str],
+        max_bytes: int | None = None,
+        num_positions: Mapping[str, int] | None = None,
     ) -> dict[str, dict[str, Any] | None]:
         """`LiveStore.take`, encoded for vLLM's transport (`results.encode_result`).
 
@@ -845,7 +890,7 @@ class OmniWorkerMixin:
         """
         if self.omni_store is None:
             return {}
-        taken = self.omni_store.take(requests, max_bytes=max_bytes)
+        taken = self.omni_store.take(requests, max_bytes=max_bytes, num_positions=num_positions)
         return {req_id: encode_result(value) for req_id, value in taken.items()}
 
     def omni_live_store_stats(self) -> dict[str, int | float]:
