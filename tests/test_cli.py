@@ -495,6 +495,15 @@ def test_engine_vllm_refuses_the_embedded_engines_options(
     )
 
 
+def test_pipeline_is_refused_without_the_live_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--pipeline"]) == EXIT_USAGE
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines()[-1] == (
+        "omnicache: error: --pipeline: expected with --engine vllm, found --engine embedded"
+    )
+
+
 def test_the_embedded_demo_imports_no_vllm_and_no_transformers() -> None:
     code = (
         "import sys\n"

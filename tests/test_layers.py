@@ -28,6 +28,8 @@ LAYERS = [
     ["omnicache.tiers"],
     # Engines omnicache runs inside (vLLM): the only code that imports them.
     ["omnicache.integrations"],
+    # Stages of a multi-stage model on the engines below (thinker -> talker).
+    ["omnicache.pipeline"],
     # The demo application: drives the layers below as a user would, on its own
     # reference engine or, with --engine vllm, on a live vLLM engine.
     ["omnicache.demo"],

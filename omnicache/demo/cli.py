@@ -2,6 +2,7 @@
 
     omnicache demo [--quick] [--requests N] [--seed S]   the embedded synthetic trace
     omnicache demo --engine vllm [--requests N]          the same trace through a live vLLM engine
+    omnicache demo --engine vllm --pipeline              ... through a thinker -> talker pipeline
     omnicache replay TRACE.jsonl                         a JSONL trace (omnicache.demo.workloads)
     omnicache hash FILE...                               content digests of media files
 
@@ -30,7 +31,10 @@ server's ``VLLM_MAX_IMAGE_PIXELS``.
 CPU engine instead (`omnicache.demo.live`: caching off, vLLM's
 own prefix caching, omnicache; ``--requests``, ``--seed`` and
 ``--num-blocks``, the KV cache's blocks, apply). vLLM is imported only then;
-without its live engine one line says how to get it (exit status 2).
+without its live engine one line says how to get it (exit status 2). With
+``--pipeline``, through two engines, a thinker and a talker that reads the
+thinker's hidden states at every position (`omnicache.demo.staged`,
+`omnicache.pipeline`), prefix caching on in both.
 
 Exit status:
     0  success: every request matched its recompute, no stale read
@@ -237,6 +241,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "--engine", choices=ENGINES, default="embedded",
         help="embedded: the small transformer here (default); vllm: a live vLLM 0.32 CPU "
         "engine serving a tiny Qwen2.5-Omni thinker, against vLLM's own prefix caching",
+    )  # fmt: skip
+    demo.add_argument(
+        "--pipeline", action="store_true",
+        help="with --engine vllm: a thinker -> talker pipeline, the talker reading the "
+        "thinker's hidden states (two engines, prefix caching on in both)",
     )  # fmt: skip
     _add_serve_options(demo)
     replay = commands.add_parser(
@@ -484,6 +493,7 @@ def _serve_live(args: argparse.Namespace, defaults: argparse.Namespace) -> int:
                 f"{option}: expected only with --engine embedded, found --engine vllm"
             )
     from omnicache.demo.live import LiveDemoConfig, run_live_demo, summary_lines
+    from omnicache.demo.staged import run_staged_demo, staged_summary_lines
 
     try:
         config = LiveDemoConfig(num_blocks=args.num_blocks)
@@ -493,26 +503,46 @@ def _serve_live(args: argparse.Namespace, defaults: argparse.Namespace) -> int:
     if args.requests is not None:
         cfg = replace(cfg, num_requests=args.requests)
     trace = synthetic_trace(cfg, seed=args.seed)
+
+    def log(line: str) -> None:
+        print(f"omnicache: {line}", file=sys.stderr)
+
     try:
-        report = run_live_demo(
-            trace, config, log=lambda line: print(f"omnicache: {line}", file=sys.stderr)
-        )
+        if args.pipeline:
+            staged = run_staged_demo(trace, config, log=log)
+        else:
+            report = run_live_demo(trace, config, log=log)
     except ImportError as exc:
         raise _UsageError(f"--engine vllm: {exc}", show_usage=False) from None
+    if args.pipeline:
+        print(f"omnicache {args.command} --engine vllm --pipeline")
+        for line in staged_summary_lines(staged):
+            print(line)
+        return _verdict(staged.ok, staged.num_mismatches, staged.mismatched_requests,
+                        staged.num_stale_reads, "every request's thinker rows, talker prompt "
+                        "hidden states and tokens matched caching off's")  # fmt: skip
     print(f"omnicache {args.command} --engine vllm")
     for line in summary_lines(report):
         print(line)
-    if not report.ok:
-        shown = ", ".join(report.mismatched_requests[:5])
-        more = " ..." if len(report.mismatched_requests) > 5 else ""
+    return _verdict(report.ok, report.num_mismatches, report.mismatched_requests,
+                    report.num_stale_reads, "every request's prompt hidden states matched "
+                    "caching off's")  # fmt: skip
+
+
+def _verdict(ok: bool, num_mismatches: int, mismatched: list[str], num_stale: int,
+             what: str) -> int:  # fmt: skip
+    """The last lines of a live demo, and its exit status."""
+    if not ok:
+        shown = ", ".join(mismatched[:5])
+        more = " ..." if len(mismatched) > 5 else ""
         print(
-            f"omnicache: FAILED: {report.num_mismatches} mismatches ({shown}{more}), "
-            f"{report.num_stale_reads} stale reads",
+            f"omnicache: FAILED: {num_mismatches} mismatches ({shown}{more}), "
+            f"{num_stale} stale reads",
             file=sys.stderr,
         )
         return EXIT_MISMATCH
     print()
-    print("ok: every request's prompt hidden states matched caching off's; no stale read")
+    print(f"ok: {what}; no stale read")
     return EXIT_OK
 
 
@@ -587,6 +617,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _hash(args)
         if args.command == "demo" and args.engine == "vllm":
             return _serve_live(args, parser.parse_args(["demo"]))
+        if args.command == "demo" and args.pipeline:
+            raise _UsageError("--pipeline: expected with --engine vllm, found --engine embedded")
         write_plot = None if args.plot is None else _plot_writer(args.plot)
         if args.command == "demo":
             cfg = QUICK_TRACE if args.quick else SyntheticConfig()

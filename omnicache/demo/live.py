@@ -84,7 +84,20 @@ from omnicache.integrations.vllm.common import (
 )
 from omnicache.integrations.vllm.identifiers import multi_modal_uuids
 
-__all__ = ["EngineRun", "LiveDemoConfig", "LiveReport", "run_live_demo", "summary_lines"]
+__all__ = [
+    "KV_BYTES_PER_TOKEN",
+    "WARMUP_REQUESTS",
+    "EngineRun",
+    "LiveDemoConfig",
+    "LiveReport",
+    "TracePrompts",
+    "engine_args",
+    "mm_limits",
+    "prefix_counters",
+    "prompt_block_keys",
+    "run_live_demo",
+    "summary_lines",
+]
 
 ASK = {PROMPT_HIDDEN_STATES: True}
 # The tiny model's KV per token: 2 layers x (K, V) x 2 KV heads x 32 values x 4 bytes.
@@ -194,7 +207,7 @@ def _mono_16k(clip: AudioItem) -> FloatArray:
     return resampled
 
 
-class _Prompts:
+class TracePrompts:
     """Trace requests as vLLM prompt dicts; each item converted and digested once."""
 
     def __init__(self, tokenizer: Any) -> None:
@@ -266,7 +279,7 @@ def _runs_of(token_ids: Sequence[int], pad: int) -> list[tuple[int, int]]:
     return runs
 
 
-def _block_keys(
+def prompt_block_keys(
     hasher: BlockHasher, token_ids: Sequence[int], prompt: dict[str, Any], pads: dict[str, int]
 ) -> list[BlockHash]:
     """omnicache's keys of the prompt's full blocks: tokens, each item's digest and place."""
@@ -301,7 +314,7 @@ def _in_process() -> Iterator[None]:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
 
 
-def _engine_args(
+def engine_args(
     model: Path, config: LiveDemoConfig, limits: dict[str, int], run: int
 ) -> dict[str, Any]:
     args: dict[str, Any] = {
@@ -325,7 +338,7 @@ def _engine_args(
     return args
 
 
-def _prefix_counters(llm: Any) -> tuple[int, int]:
+def prefix_counters(llm: Any) -> tuple[int, int]:
     values = {
         metric.name: int(metric.value)
         for metric in llm.get_metrics()
@@ -360,12 +373,12 @@ def _serve(
         if ask:
             run.hidden_states.extend(take_prompt_hidden_states(llm, [output]))
     run.seconds_serving = time.perf_counter() - t0
-    run.num_queried_tokens, run.num_hit_tokens = _prefix_counters(llm)
+    run.num_queried_tokens, run.num_hit_tokens = prefix_counters(llm)
     if ask:
         (run.stats,) = llm.collective_rpc("omni_live_store_stats")
 
 
-def _limits(trace: Trace) -> dict[str, int]:
+def mm_limits(trace: Trace) -> dict[str, int]:
     """The most images and clips in one prompt (vLLM's ``limit_mm_per_prompt``)."""
     limits = {"image": 0, "audio": 0}
     for request in trace.requests:
@@ -427,23 +440,23 @@ def run_live_demo(
     version = require_live_engine()
     from vllm import LLM
 
-    limits = _limits(trace)
+    limits = mm_limits(trace)
     runs = (EngineRun(RUN_NAMES[0]), EngineRun(RUN_NAMES[1]), EngineRun(RUN_NAMES[2]))
     report = LiveReport(trace, cfg, version, runs)
     with tempfile.TemporaryDirectory(prefix="omnicache-demo-") as folder:
         say("building the tiny Qwen2.5-Omni thinker (random weights)")
         model = build_omni_model(Path(folder) / "qwen2.5-omni-thinker-tiny")
-        make: _Prompts | None = None
+        make: TracePrompts | None = None
         prompts: list[dict[str, Any]] = []
         for index, run in enumerate(runs):
             say(f"engine {index + 1} of 3: {run.name}")
             t0 = time.perf_counter()
             with _in_process():
-                llm = LLM(**_engine_args(model, cfg, limits, index))
+                llm = LLM(**engine_args(model, cfg, limits, index))
             run.seconds_start = time.perf_counter() - t0
             try:
                 if make is None:
-                    make = _Prompts(llm.get_tokenizer())
+                    make = TracePrompts(llm.get_tokenizer())
                     prompts = [make.prompt(request) for request in trace.requests]
                 # NOTE: the first engine of a process pays its lazy setup in its
                 # first requests; caching off keeps nothing, so a few untimed
@@ -456,7 +469,7 @@ def run_live_demo(
                 gc.collect()
         assert make is not None
         keys = [
-            _block_keys(
+            prompt_block_keys(
                 BlockHasher(cfg.block_size, namespace=str(model), cache_salt=prompt["cache_salt"]),
                 token_ids,
                 prompt,

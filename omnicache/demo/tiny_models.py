@@ -33,8 +33,10 @@ __all__ = [
     "OMNI_AUDIO_PLACEHOLDER",
     "OMNI_IMAGE_PAD",
     "OMNI_IMAGE_PLACEHOLDER",
+    "TALKER_TOKENS",
     "build_audio_model",
     "build_omni_model",
+    "build_talker_model",
     "build_text_model",
     "build_vl_model",
 ]
@@ -70,6 +72,8 @@ OMNI_TOKEN_NAMES = {
     "audio_bos_token": "<|audio_bos|>",
     "audio_eos_token": "<|audio_eos|>",
 }
+# The talker's own tokens (Qwen2.5-Omni's talker has these among its codec ids).
+TALKER_TOKENS = ["<|codec_mask|>", "<|codec_pad|>", "<|codec_bos|>"]
 VOCAB_SIZE = 512  # learned ids; the special tokens follow them
 PADDED_VOCAB = 576  # the embedding's rows: every id, rounded up
 # Small images stay small: 224x224 pixels make 16x16 patches of 14, 64 image tokens.
@@ -339,7 +343,7 @@ def _quiet_transformers() -> Iterator[None]:
         logging.set_verbosity(level)
 
 
-def build_omni_model(path: Path) -> Path:
+def build_omni_model(path: Path, *, hidden_size: int = 128) -> Path:
     """A tiny Qwen2.5-Omni thinker, its tokenizer and its processor in ``path``; returns ``path``.
 
     The thinker is the stage of Qwen2.5-Omni that reads text, images and audio
@@ -349,7 +353,8 @@ def build_omni_model(path: Path) -> Path:
     second) and the text model of `build_text_model`. vLLM serves a
     Qwen2.5-Omni checkpoint by its thinker alone, so only the thinker's
     weights are written (as ``thinker.*``); the talker and the vocoder are
-    configuration only, with audio output off.
+    configuration only, with audio output off. ``hidden_size`` widens its
+    text model (`_widened`), and both towers' outputs with it.
     """
     from transformers import (
         Qwen2_5OmniConfig,
@@ -364,7 +369,7 @@ def build_omni_model(path: Path) -> Path:
     tokenizer.chat_template = OMNI_CHAT_TEMPLATE
     ids = _token_ids(tokenizer, OMNI_TOKENS)
     thinker = Qwen2_5OmniThinkerConfig(
-        text_config={**_text_config_kwargs(ids), "rope_parameters": _MROPE},
+        text_config={**_widened(_text_config_kwargs(ids), hidden_size), "rope_parameters": _MROPE},
         vision_config={
             "depth": 2,
             "hidden_size": 64,
@@ -374,7 +379,7 @@ def build_omni_model(path: Path) -> Path:
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
             "window_size": 112,
-            "out_hidden_size": 128,
+            "out_hidden_size": hidden_size,
             "fullatt_block_indexes": [1],
         },
         audio_config={
@@ -383,7 +388,7 @@ def build_omni_model(path: Path) -> Path:
             "encoder_attention_heads": 2,
             "encoder_ffn_dim": 128,
             "d_model": 64,
-            "output_dim": 128,
+            "output_dim": hidden_size,
             "max_source_positions": 1500,
         },
         audio_token_index=ids[OMNI_AUDIO_PAD],
@@ -413,4 +418,43 @@ def build_omni_model(path: Path) -> Path:
         chat_template=OMNI_CHAT_TEMPLATE,
     )
     processor.save_pretrained(path)
+    return path
+
+
+def build_talker_model(
+    path: Path, *, thinker_hidden_size: int = 128, hidden_size: int = 64
+) -> Path:
+    """A tiny talker for `build_omni_model`'s thinker in ``path``; returns ``path``.
+
+    A Qwen2 causal LM of ``hidden_size`` (heads of 32 values, 2 layers; the
+    shared tokenizer with `TALKER_TOKENS` added) and its hand-off,
+    ``omnicache_talker/projection.safetensors`` (`omnicache.pipeline.TalkerRecipe`): a
+    projection from ``thinker_hidden_size`` with weights drawn from a fixed
+    seed (scaled by ``thinker_hidden_size ** -0.5``, so projected rows stay
+    near the embeddings' scale), and the ids of `TALKER_TOKENS`. vLLM serves
+    it as any causal LM; its prompts are embeddings.
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from omnicache.pipeline import TalkerRecipe
+
+    tokenizer = _tokenizer(TALKER_TOKENS)
+    ids = _token_ids(tokenizer, TALKER_TOKENS)
+    # NOTE: its prompts are the thinker's positions and its own tokens after them.
+    kwargs = {**_widened(_text_config_kwargs(ids), hidden_size), "max_position_embeddings": 4096}
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**kwargs))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    generator = torch.Generator().manual_seed(1)
+    scale = thinker_hidden_size**-0.5
+    recipe = TalkerRecipe(
+        weight=torch.randn(hidden_size, thinker_hidden_size, generator=generator) * scale,
+        bias=torch.randn(hidden_size, generator=generator) * 0.02,
+        embeddings=model.get_input_embeddings().weight.detach().clone(),
+        codec_mask_id=ids[TALKER_TOKENS[0]],
+        codec_pad_id=ids[TALKER_TOKENS[1]],
+        codec_bos_id=ids[TALKER_TOKENS[2]],
+    )
+    recipe.save(path)
     return path
