@@ -491,8 +491,8 @@ def test_bad_omnicache_fields_get_a_400_naming_the_field_and_the_values(
             "'OmniStoreConnector'), found kv_connector None"
         ),
         "an unknown omnicache field": (
-            "extra_args: expected omnicache fields among ('omnicache_prompt_hidden_states',), "
-            "found 'omnicache_prompt_hidden_state'"
+            "extra_args: expected omnicache fields among ('omnicache_prompt_hidden_states', "
+            "'omnicache_all_hidden_states'), found 'omnicache_prompt_hidden_state'"
         ),
     }
     for name, message in expected.items():

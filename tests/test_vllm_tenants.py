@@ -238,8 +238,8 @@ def test_a_reference_without_data_and_bad_fields_are_refused_before_anything_run
         ],
         "unknown": [
             error,
-            "extra_args: expected omnicache fields among ('omnicache_prompt_hidden_states',), "
-            "found 'omnicache_hidden_states'",
+            "extra_args: expected omnicache fields among ('omnicache_prompt_hidden_states', "
+            "'omnicache_all_hidden_states'), found 'omnicache_hidden_states'",
         ],
     }
     # Nothing was looked up for them.
