@@ -12,7 +12,9 @@ omnicache in both stages. Columns: requests per second over the trace
 from a request's start to the talker's first token, each stage's hit rate,
 the ratio to caching off, and whether every output of omnicache's pipeline
 equals caching off's (thinker rows and talker prompt rows within 1e-5,
-tokens equal).
+tokens equal). "of it, thinker" is the part of the time to the talker's
+first token spent before the talker got the request: the thinker's whole
+request (prefill and its tokens) and the hand-off.
 
 Run with the live engine's environment (``./dev live`` prepares ``.venv-live``):
 
@@ -36,6 +38,7 @@ def _table(reports: list[StagedReport]) -> list[str]:
     first = reports[0]
     rps = [statistics.median(r.runs[i].requests_per_second for r in reports) for i in range(3)]
     ttft = [statistics.median(r.runs[i].median_talker_ttft for r in reports) for i in range(3)]
+    before = [statistics.median(r.runs[i].median_before_talker for r in reports) for i in range(3)]
     mismatches = sum(r.num_mismatches for r in reports)
     stale = sum(r.num_stale_reads for r in reports)
     lines = [
@@ -43,14 +46,15 @@ def _table(reports: list[StagedReport]) -> list[str]:
         "talker: hidden 64, 16 tokens out, its own process",
         f"trace: {first.trace.name}, one request at a time; median of {len(reports)} pass(es)",
         "",
-        f"{'':<16}{'requests/s':>11}{'talker 1st token':>18}{'thinker hits':>14}"
-        f"{'talker hits':>13}{'vs off':>8}  outputs == off",
+        f"{'':<16}{'requests/s':>11}{'talker 1st token':>18}{'of it, thinker':>16}"
+        f"{'thinker hits':>14}{'talker hits':>13}{'vs off':>8}  outputs == off",
     ]
     for i, name in enumerate(RUN_NAMES):
         run = first.runs[i]
         same = "-" if i != 2 else ("yes" if mismatches == 0 and stale == 0 else "NO")
         lines.append(
-            f"{name:<16}{rps[i]:>11.2f}{ttft[i] * 1000:>15.0f} ms{run.thinker.hit_rate:>14.1%}"
+            f"{name:<16}{rps[i]:>11.2f}{ttft[i] * 1000:>15.0f} ms{before[i] * 1000:>13.0f} ms"
+            f"{run.thinker.hit_rate:>14.1%}"
             f"{run.talker.hit_rate:>13.1%}{rps[i] / rps[0]:>7.2f}x  {same}"
         )
     omni = first.runs[2]

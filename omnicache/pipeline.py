@@ -151,7 +151,8 @@ class TalkerRecipe:
         recipe, weights = folder / RECIPE_FILE, folder / "model.safetensors"
         for path in (recipe, weights):
             if not path.is_file():
-                raise ValueError(f"model_dir: expected {path.name} in {folder}, found none")
+                name = path.relative_to(folder)
+                raise ValueError(f"model_dir: expected {name} in {folder}, found none")
         with safe_open(str(recipe), framework="pt") as file:
             metadata = file.metadata() or {}
             if metadata.get("scheme") != RECIPE_SCHEME:

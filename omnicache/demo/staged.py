@@ -135,6 +135,12 @@ class StagedRun:
         return len(self.outputs) / self.seconds_serving if self.seconds_serving else 0.0
 
     @property
+    def median_before_talker(self) -> float:
+        """Median seconds from a request's start to the talker's request (thinker, hand-off)."""
+        times = [output.seconds_before_talker for output in self.outputs]
+        return statistics.median(times) if times else 0.0
+
+    @property
     def median_talker_ttft(self) -> float:
         times = self.seconds_to_talker_token
         return statistics.median(times) if times else 0.0
