@@ -26,7 +26,9 @@ omnicache's keys of the thinker's prompts, and, for the talker, over chained
 digests of its own prompt embeddings block by block (equal rows, equal
 keys). Time to the talker's first token is the pipeline's time before the
 talker got the request plus vLLM's first-token latency of the talker's
-request (``RequestOutput.metrics``).
+request (``RequestOutput.metrics``). Runs 1 and 3 take the talker's prompt
+hidden states for the oracle after the timed loop, so the three runs time
+the same pipeline.
 
 vLLM keeps one KV connector per process, so one stage runs in process and
 the other in vLLM's multiprocess mode: the talker's engine core is a
@@ -44,7 +46,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +64,8 @@ from omnicache.demo.live import (
 from omnicache.demo.oracle import ATOL, RTOL, best_hit_tokens
 from omnicache.demo.tiny_models import build_omni_model, build_talker_model
 from omnicache.demo.workloads import Trace
-from omnicache.integrations.vllm.common import require_live_engine
+from omnicache.integrations.vllm.common import PROMPT_HIDDEN_STATES, require_live_engine
+from omnicache.integrations.vllm.results import take_prompt_hidden_states
 from omnicache.pipeline import Pipeline, PipelineOutput, TalkerRecipe
 
 __all__ = [
@@ -193,13 +196,20 @@ def _mode(multiprocess: bool) -> Iterator[None]:
         vllm.envs.disable_envs_cache()
 
 
-def _talker_args(model: Path, cfg: LiveDemoConfig, run: int) -> dict[str, Any]:
+def _talker_args(model: Path, cfg: LiveDemoConfig, run: int, num_requests: int) -> dict[str, Any]:
     """The talker's engine: the thinker's geometry, prompts of embeddings."""
     args = engine_args(model, cfg, {}, run)
     del args["limit_mm_per_prompt"]
     args["enable_prompt_embeds"] = True
     # NOTE: its prompts are one row longer than the thinker's rows.
     args["max_model_len"] = args["max_num_batched_tokens"] = cfg.max_model_len + TALKER_TOKENS
+    if "kv_transfer_config" in args:
+        # Every talker result waits until the trace is served (see `_serve`).
+        extra = {"max_prompt_results": max(num_requests, 1)}
+        args["kv_transfer_config"] = {
+            **args["kv_transfer_config"],
+            "kv_connector_extra_config": extra,
+        }
     return args
 
 
@@ -212,20 +222,38 @@ def _shut(llm: Any) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
-def _serve(pipe: Pipeline, prompts: list[dict[str, Any]], run: StagedRun, warmup: int) -> None:
+def _serve(
+    pipe: Pipeline, prompts: list[dict[str, Any]], run: StagedRun, warmup: int, oracle: bool
+) -> None:
+    """Serves the prompts one by one; with ``oracle``, takes the talker's prompt rows after.
+
+    NOTE: the talker's rows are for the oracle, not for the pipeline: they
+    are taken after the timed loop, in one call to the talker's process, so
+    every run times the same work (vLLM's own caching keeps no rows).
+    """
     from vllm import SamplingParams
 
     thinker = SamplingParams(max_tokens=THINKER_TOKENS, temperature=0)
-    talker = SamplingParams(max_tokens=TALKER_TOKENS, temperature=0, ignore_eos=True)
+    asks = {PROMPT_HIDDEN_STATES: True} if oracle else None
+    talker = SamplingParams(
+        max_tokens=TALKER_TOKENS, temperature=0, ignore_eos=True, extra_args=asks
+    )
     for prompt in prompts[:warmup]:
         pipe.generate([prompt], thinker, talker)
     t0 = time.perf_counter()
+    outputs: list[PipelineOutput] = []
     for prompt in prompts:
         (output,) = pipe.generate([prompt], thinker, talker)
-        run.outputs.append(output)
+        outputs.append(output)
         latency = output.talker.metrics.first_token_latency
         run.seconds_to_talker_token.append(output.seconds_before_talker + latency)
     run.seconds_serving = time.perf_counter() - t0
+    if oracle:
+        rows = take_prompt_hidden_states(pipe.talker, [output.talker for output in outputs])
+        outputs = [
+            replace(out, talker_hidden_states=r) for out, r in zip(outputs, rows, strict=True)
+        ]
+    run.outputs.extend(outputs)
     for stage, llm in ((run.thinker, pipe.thinker), (run.talker, pipe.talker)):
         if llm.llm_engine.vllm_config.kv_transfer_config is not None:
             (stage.stats,) = llm.collective_rpc("omni_live_store_stats")
@@ -348,7 +376,7 @@ def run_staged_demo(
             # NOTE: the multiprocess engine first: an in-process engine core
             # changes how this process's threads are bound.
             with _mode(multiprocess=True):
-                talker = LLM(**_talker_args(talker_model, cfg, index))
+                talker = LLM(**_talker_args(talker_model, cfg, index, len(trace.requests)))
             try:
                 with _mode(multiprocess=False):
                     thinker = LLM(**_thinker_args(model, cfg, limits, index))
@@ -357,9 +385,9 @@ def run_staged_demo(
                     if make is None:
                         make = TracePrompts(thinker.get_tokenizer())
                         prompts = [make.prompt(request) for request in trace.requests]
-                    pipe = Pipeline(thinker, talker, talker_hidden_states=index != 1)
+                    pipe = Pipeline(thinker, talker)
                     warmup = WARMUP_REQUESTS if index == 0 else 0
-                    _serve(pipe, prompts, run, warmup)
+                    _serve(pipe, prompts, run, warmup, oracle=index != 1)
                 finally:
                     _shut(thinker)
                     del thinker
