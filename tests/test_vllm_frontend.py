@@ -241,7 +241,7 @@ def test_a_request_that_cannot_be_served_as_it_asks_is_refused() -> None:
         )
 
 
-def test_every_position_is_asked_without_stop_strings_and_wins_over_the_prompt() -> None:
+def test_hidden_states_are_asked_without_stop_strings_and_every_position_wins() -> None:
     from vllm import SamplingParams
 
     every = {ALL_HIDDEN_STATES: True}
@@ -256,20 +256,23 @@ def test_every_position_is_asked_without_stop_strings_and_wins_over_the_prompt()
         SamplingParams(max_tokens=4, stop_token_ids=[7], extra_args=every),
         kv_connector=CONNECTOR_NAME,
     )
-    # The prompt's rows alone do not depend on where the request stops.
-    check_request_fields(
-        SamplingParams(max_tokens=4, stop=["x"], extra_args={PROMPT_HIDDEN_STATES: True}),
-        kv_connector=CONNECTOR_NAME,
-    )
-    with pytest.raises(ValueError) as info:
-        check_request_fields(
-            SamplingParams(max_tokens=4, stop=["x"], extra_args=every), kv_connector=CONNECTOR_NAME
+    # A stop string ends the request in the front end: the response would
+    # carry no kv_transfer_params, so even the prompt's rows could not be taken.
+    for field, asks in (
+        (PROMPT_HIDDEN_STATES, {PROMPT_HIDDEN_STATES: True}),
+        (ALL_HIDDEN_STATES, every),
+    ):
+        with pytest.raises(ValueError) as info:
+            check_request_fields(
+                SamplingParams(max_tokens=4, stop=["x"], extra_args=asks),
+                kv_connector=CONNECTOR_NAME,
+            )
+        assert str(info.value) == (
+            f"extra_args['{field}']: expected no stop strings (vLLM's front end ends such a "
+            "request itself: its response carries no kv_transfer_params to take the result "
+            "with, and the engine may have computed past the stop string; stop_token_ids end "
+            "the request in the engine), found stop=['x']"
         )
-    assert str(info.value) == (
-        "extra_args['omnicache_all_hidden_states']: expected no stop strings (the front end "
-        "finds them after the engine computed further positions; stop_token_ids end the request "
-        "in the engine), found stop=['x']"
-    )
     with pytest.raises(ValueError, match=r"extra_args\['omnicache_all_hidden_states'\]: expected"):
         check_request_fields(params(**{ALL_HIDDEN_STATES: "yes"}), kv_connector=CONNECTOR_NAME)
 

@@ -346,6 +346,13 @@ def test_hidden_states_over_http_equal_an_engine_without_caching_and_are_taken_o
     assert fetched is not None and torch.allclose(fetched, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match=r"expected 200, found 404"):
         fetch_prompt_hidden_states(server.url(""), again, api_key=API_KEY)
+    # A stop string would end the request in the front end, whose response
+    # then carries no kv_transfer_params: refused, with the reason.
+    status, data, _ = post(
+        server, "/v1/completions", completion(prompt, stop=["sky"], vllm_xargs=ASK)
+    )
+    assert status == 400
+    assert "its response carries no kv_transfer_params to take the result with" in error_of(data)
 
 
 def test_every_positions_hidden_states_over_http_equal_an_engine_without_caching(

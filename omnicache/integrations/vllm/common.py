@@ -134,8 +134,7 @@ def check_request_fields(sampling_params: Any, *, kv_connector: str | None) -> N
             value `wants_hidden_states` refuses; hidden states asked with
             ``n`` other than 1 (the choices share one prompt, and a result is
             taken by the one id the response carries), or of an engine
-            without `CONNECTOR_NAME`; every position's asked with stop
-            strings.
+            without `CONNECTOR_NAME`; hidden states asked with stop strings.
     """
     extra = getattr(sampling_params, "extra_args", None) or {}
     for key in extra:
@@ -159,13 +158,15 @@ def check_request_fields(sampling_params: Any, *, kv_connector: str | None) -> N
             f"(kv_transfer_config naming {CONNECTOR_NAME!r}), found kv_connector {kv_connector!r}"
         )
     stop = getattr(sampling_params, "stop", None)
-    if kind == "all" and stop:
-        # NOTE: vLLM's front end ends a request at a stop string, after the
-        # engine may have computed past it: the rows would not be the output's.
+    if stop:
+        # NOTE: vLLM's front end ends a request at a stop string itself: the
+        # engine's kv_transfer_params (the result's id and key) never reach the
+        # response, and the engine may have computed past the stop string.
         raise ValueError(
-            f"extra_args[{field!r}]: expected no stop strings (the front end finds them after "
-            f"the engine computed further positions; stop_token_ids end the request in the "
-            f"engine), found stop={stop!r}"
+            f"extra_args[{field!r}]: expected no stop strings (vLLM's front end ends such a "
+            "request itself: its response carries no kv_transfer_params to take the result "
+            "with, and the engine may have computed past the stop string; stop_token_ids end "
+            f"the request in the engine), found stop={stop!r}"
         )
 
 
