@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -50,6 +49,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     [_HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 )
 
+from live_timing import Timed  # noqa: E402
 from vllm.v1.worker.cpu_worker import CPUWorker  # noqa: E402
 
 from omnicache.integrations.vllm.worker import OmniCPUWorker  # noqa: E402
@@ -69,21 +69,17 @@ WARMUP = 5
 class _Timing:
     """Times ``execute_model`` (and, with the store, `LiveStore.apply`) inside the worker."""
 
-    def execute_model(self, scheduler_output: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return super().execute_model(scheduler_output)  # type: ignore[misc]
-        finally:
-            self.__dict__.setdefault("_bench_exec", []).append(time.perf_counter() - start)
+    bench_timers: dict[str, Timed]
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)  # type: ignore[misc]
+        self.bench_timers = {"execute_model": Timed(self, "execute_model")}
 
     def bench_times(self, reset: bool = False) -> dict[str, float]:
-        found = {
-            "execute_model": sum(self.__dict__.get("_bench_exec", [])),
-            "store": sum(self.__dict__.get("_bench_apply", [])),
-        }
+        found = {name: sum(timer.times) for name, timer in self.bench_timers.items()}
         if reset:
-            self.__dict__["_bench_exec"] = []
-            self.__dict__["_bench_apply"] = []
+            for timer in self.bench_timers.values():
+                timer.times.clear()
         return found
 
 
@@ -94,18 +90,7 @@ class TimedCPUWorker(_Timing, CPUWorker):
 class TimedOmniWorker(_Timing, OmniCPUWorker):
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         super().initialize_from_config(kv_cache_config)
-        live = self.omni_store
-        assert live is not None
-        apply = live.apply
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return apply(*args, **kwargs)
-            finally:
-                self.__dict__.setdefault("_bench_apply", []).append(time.perf_counter() - start)
-
-        live.apply = timed  # type: ignore[method-assign]
+        self.bench_timers["store"] = Timed(self.omni_store, "apply")
 
 
 def engine(mode: str, multiprocess: bool, model: Path) -> Any:
@@ -200,9 +185,6 @@ def main() -> None:
                             run_pass(mode, multiprocess, model, args)
                         )
 
-    def med(values: list[float]) -> float:
-        return statistics.median(values)
-
     print(
         f"\nhidden {args.hidden}, float32, 2 layers; {args.requests} requests of {PROMPT_TOKENS} "
         f"tokens, {OUTPUT_TOKENS} out, one at a time; {os.cpu_count()} cores; median of "
@@ -212,20 +194,19 @@ def main() -> None:
         f"{'':<30}{'process':>9}{'request ms':>12}{'/ vLLM':>8}{'worker steps s':>16}"
         f"{'store s':>9}{'worker CPU s':>14}{'core CPU s':>12}"
     )
-    base = {mp: med([p["ms"] for p in passes[("vLLM", mp)]]) for mp in (True, False)}
+    base = {mp: statistics.median([p["ms"] for p in passes[("vLLM", mp)]]) for mp in (True, False)}
     for (mode, multiprocess), runs in passes.items():
-        ms = med([r["ms"] for r in runs])
-        steps = med([r["worker"]["execute_model"] for r in runs])
-        store = med([r["worker"]["store"] for r in runs])
+        ms = statistics.median([r["ms"] for r in runs])
+        steps = statistics.median([r["worker"]["execute_model"] for r in runs])
+        store = statistics.median([r["worker"].get("store", 0.0) for r in runs])
         cpus = [r["cpu"] for r in runs if r["cpu"] is not None]
-        worker_cpu = f"{med([c[1] for c in cpus]):.2f}" if cpus else "-"
-        core_cpu = f"{med([c[0] for c in cpus]):.2f}" if cpus else "-"
+        worker_cpu = f"{statistics.median([c[1] for c in cpus]):.2f}" if cpus else "-"
+        core_cpu = f"{statistics.median([c[0] for c in cpus]):.2f}" if cpus else "-"
         where = "multi" if multiprocess else "in"
         print(
             f"{mode:<30}{where:>9}{ms:>12.1f}{ms / base[multiprocess]:>7.2f}x{steps:>16.3f}"
             f"{(f'{store:.3f}' if mode == 'omnicache' else '-'):>9}{worker_cpu:>14}{core_cpu:>12}"
         )
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":
