@@ -9,7 +9,8 @@ oracle), vLLM's own caching, omnicache. The KV caches are small, so blocks
 are evicted and handed out again in both stages. The thinker runs in
 process and the talker in vLLM's multiprocess mode. Then a hostile turn on
 every position's rows in process: a forged key, a forged count, a second
-take, stop strings and ``n``. Same conventions as ``test_vllm_live``.
+take, stop strings and ``n``; and `Pipeline` itself handing back the talker's
+prompt rows when asked, on a hit in both stages. Same conventions as ``test_vllm_live``.
 """
 
 from __future__ import annotations
@@ -86,10 +87,35 @@ def test_both_stages_hit_within_each_tenant_and_reuse_blocks(report: Any) -> Non
 
 
 @pytest.fixture(scope="module")
+def talker_llm(tmp_path_factory: pytest.TempPathFactory, report: Any) -> Iterator[Any]:
+    """A talker for ``text_llm``'s rows, in vLLM's multiprocess mode (before ``text_llm``)."""
+    from vllm import LLM
+
+    from omnicache.demo.tiny_models import build_talker_model
+
+    model = build_talker_model(tmp_path_factory.mktemp("live-talker") / "talker-tiny")
+    llm = LLM(
+        **live.engine_args(
+            model,
+            enable_prompt_embeds=True,
+            scheduler_cls=live.SCHEDULER,
+            worker_cls="omnicache.integrations.vllm.worker.OmniCPUWorker",
+            kv_transfer_config={
+                "kv_connector": "OmniStoreConnector",
+                "kv_connector_module_path": "omnicache.integrations.vllm.connector",
+                "kv_role": "kv_both",
+            },
+        )
+    )
+    yield llm
+    live.shut(llm)
+
+
+@pytest.fixture(scope="module")
 def text_llm(
-    tmp_path_factory: pytest.TempPathFactory, in_process: None, report: Any
+    tmp_path_factory: pytest.TempPathFactory, talker_llm: Any, in_process: None, report: Any
 ) -> Iterator[Any]:
-    """An in-process engine with the store (after the pipeline's multiprocess engines)."""
+    """An in-process engine with the store (after the multiprocess engines)."""
     from vllm import LLM
 
     from omnicache.demo.tiny_models import build_text_model
@@ -153,3 +179,31 @@ def test_every_positions_rows_are_taken_once_by_their_key_and_count(text_llm: An
             text_llm.generate(
                 [prompt], SamplingParams(max_tokens=2, extra_args=every, **bad), use_tqdm=False
             )
+
+
+def test_the_pipeline_hands_back_the_talkers_prompt_rows_when_asked(
+    text_llm: Any, talker_llm: Any
+) -> None:
+    import torch
+    from vllm import SamplingParams
+
+    from omnicache.pipeline import Pipeline
+
+    pipe = Pipeline(text_llm, talker_llm, talker_hidden_states=True)
+    thinker = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    talker = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompt = {"prompt_token_ids": live.OTHER + [5] * 60, "cache_salt": "pipeline"}
+    (first,) = pipe.generate([prompt], thinker, talker)
+    (second,) = pipe.generate([prompt], thinker, talker)
+    positions = len(prompt["prompt_token_ids"]) + 6 - 1
+    assert first.thinker.num_cached_tokens == first.talker.num_cached_tokens == 0
+    # Again: both stages hit, every full block of the talker's prompt included.
+    assert second.thinker.num_cached_tokens == 128
+    assert second.talker.num_cached_tokens == (positions + 1) // 32 * 32
+    for output in (first, second):
+        assert output.talker_hidden_states is not None
+        assert output.talker_hidden_states.shape == (positions + 1, 64)
+    assert torch.allclose(
+        second.talker_hidden_states, first.talker_hidden_states, atol=1e-5, rtol=1e-5
+    )
+    assert list(second.talker.outputs[0].token_ids) == list(first.talker.outputs[0].token_ids)
