@@ -23,6 +23,7 @@ from omnicache.integrations.vllm.tier import (
     TierReader,
     WorkerTier,
     entry_names,
+    kv_entry_name,
     tier_config,
 )
 from omnicache.store import HIDDEN_STATES, TensorStore
@@ -133,6 +134,69 @@ def test_saved_blocks_load_into_other_blocks_of_another_worker(config: TierConfi
     tier.close()
 
 
+def test_entries_name_each_tensor_parallel_rank_and_the_layout() -> None:
+    assert entry_names(LAYERS) == [
+        "hidden_states",
+        "kv.tp0of1.model.layers.0.attn",
+        "kv.tp0of1.model.layers.1.attn",
+    ]
+    assert entry_names(LAYERS, 2) == [
+        "hidden_states",
+        "kv.tp0of2.model.layers.0.attn",
+        "kv.tp1of2.model.layers.0.attn",
+        "kv.tp0of2.model.layers.1.attn",
+        "kv.tp1of2.model.layers.1.attn",
+    ]
+    with pytest.raises(ValueError, match=r"rank: expected 0 <= rank < 2, found 2"):
+        kv_entry_name("l", 2, 2)
+
+
+def test_tensor_parallel_ranks_each_load_their_own_shard_and_no_other_layout_does(
+    config: TierConfig,
+) -> None:
+    # Two ranks of a tensor-parallel engine, each with its own heads (one each).
+    rows = torch.arange(2 * BS * HIDDEN, dtype=torch.float32).reshape(2 * BS, HIDDEN)
+    saved: list[dict[str, torch.Tensor]] = []
+    workers = []
+    for rank in range(2):
+        kv, st = caches(seed=10 + rank, heads=1), store()
+        st.write_blocks(HIDDEN_STATES, rows, [1, 2], block_keys=[K[0], K[1]])
+        workers.append((WorkerTier(config, kv, st, rank=rank, num_ranks=2), st))
+        saved.append(kv)
+    both = TierReader(config, entry_names(LAYERS, 2))
+    one = TierReader(config, entry_names(LAYERS, 1))
+    # Rank 1 alone saved: its shard is no block yet, and it saved no hidden rows.
+    tier1, st1 = workers[1]
+    tier1.save(st1, {1: K[0], 2: K[1]})
+    assert tier1.flush(10.0)
+    assert tier1.stats.num_saved_blocks == 2
+    assert both.tier.count_held([K[0]], [HIDDEN_STATES]) == 0
+    assert both.held([K[0], K[1]]) == 0
+    tier0, st0 = workers[0]
+    tier0.save(st0, {1: K[0], 2: K[1]})
+    assert tier0.flush(10.0)
+    assert both.held([K[0], K[1], K[2]]) == 2
+    # An engine of another layout looks under other names: nothing.
+    assert one.held([K[0], K[1]]) == 0
+    for reader_ in (both, one):
+        reader_.close()
+    for rank in range(2):
+        target_kv, target = caches(seed=None, heads=1), store()
+        tier = WorkerTier(config, target_kv, target, rank=rank, num_ranks=2)
+        assert tier.load(target, LoadOrder("r", (5, 6), (K[0], K[1]))) == 2
+        assert_same_kv(target_kv, saved[rank], {5: 1, 6: 2})
+        assert not torch.equal(target_kv[LAYERS[0]][5], saved[1 - rank][LAYERS[0]][1])
+        assert torch.equal(target.read_blocks(HIDDEN_STATES, [5, 6], [K[0], K[1]]), rows)
+        tier.close()
+    single_kv, single = caches(seed=None), store()
+    tier = WorkerTier(config, single_kv, single)
+    assert tier.load(single, LoadOrder("r", (5, 6), (K[0], K[1]))) == 0
+    assert not any(single_kv[name].any() for name in LAYERS)
+    tier.close()
+    for tier_, _ in workers:
+        tier_.close()
+
+
 @pytest.mark.parametrize("damage", ["deleted", "overwritten"])
 def test_a_block_gone_or_damaged_after_the_lookup_ends_the_load_there(
     config: TierConfig, redis_server: RedisServer, damage: str
@@ -141,7 +205,7 @@ def test_a_block_gone_or_damaged_after_the_lookup_ends_the_load_there(
     index = reader(config)
     assert index.held([K[0], K[1]]) == 2
     # Between the scheduler's lookup and the worker's load, block K[1] loses a value.
-    name = f"test:{config.namespace}:{K[1].hex()}:kv.{LAYERS[0]}"
+    name = f"test:{config.namespace}:{K[1].hex()}:kv.tp0of1.{LAYERS[0]}"
     client = redis_server.client()
     if damage == "deleted":
         assert client.delete(name) == 1
@@ -219,7 +283,7 @@ def test_a_tier_without_the_recompute_policy_is_refused_at_start() -> None:
             ),
             cache_config=SimpleNamespace(enable_prefix_caching=True),
             speculative_config=None,
-            parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+            parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1),
         )
 
     with pytest.raises(
@@ -231,6 +295,44 @@ def test_a_tier_without_the_recompute_policy_is_refused_at_start() -> None:
         config(kv_load_failure_policy="recompute"), KVConnectorRole.SCHEDULER, None
     )
     assert connector.tier == TierConfig("redis://h:1/0", "n", "omnicache")
+
+
+def test_pipeline_and_context_parallelism_are_refused_at_start() -> None:
+    from types import SimpleNamespace
+
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from omnicache.integrations.vllm.connector import OmniStoreConnector
+
+    def config(**parallel: int) -> SimpleNamespace:
+        sizes = {
+            "tensor_parallel_size": 2,
+            "pipeline_parallel_size": 1,
+            "prefill_context_parallel_size": 1,
+            "decode_context_parallel_size": 1,
+            **parallel,
+        }
+        return SimpleNamespace(
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="OmniStoreConnector", kv_role="kv_both"
+            ),
+            cache_config=SimpleNamespace(enable_prefix_caching=True),
+            speculative_config=None,
+            parallel_config=SimpleNamespace(**sizes),
+        )
+
+    slots = "each rank holds some of a request's tokens, in slots the store's plan does not name"
+    for field, why in (
+        ("pipeline_parallel_size", "only the last stage has the model's final hidden states"),
+        ("prefill_context_parallel_size", slots),
+        ("decode_context_parallel_size", slots),
+    ):
+        layout = config(**{field: 2})
+        with pytest.raises(ValueError) as refused:
+            OmniStoreConnector(layout, KVConnectorRole.SCHEDULER, None)
+        assert str(refused.value) == (f"OmniStoreConnector: expected {field} 1 ({why}), found 2")
+    assert OmniStoreConnector(config(), KVConnectorRole.SCHEDULER, None).tier is None
 
 
 def test_kv_caches_of_another_physical_layout_load_through_the_view(config: TierConfig) -> None:

@@ -186,7 +186,7 @@ def test_the_lookup_asks_redis_once_per_waiting_request(redis_server: RedisServe
     worker.save(store, {1: request.block_hashes[0], 2: request.block_hashes[1]})
     assert worker.flush(10.0)
     worker.close()
-    reader = TierReader(config, [HIDDEN_STATES, "kv.l"])
+    reader = TierReader(config, [HIDDEN_STATES, "kv.tp0of1.l"])
     s = Scheduler(reader)
     request = s.request("r")
     assert s.mirror.num_external_tokens(request, 0) == 2 * BS

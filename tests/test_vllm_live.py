@@ -458,7 +458,7 @@ def test_the_same_image_at_another_position_shares_no_block_after_it(vl_llm: Any
     assert common // BLOCK_SIZE * BLOCK_SIZE < full
 
 
-def run_child(script: str, *args: str, **env: str) -> str:
+def run_child(script: str, *args: str, timeout_s: float = 300, **env: str) -> str:
     """Runs ``script`` in a fresh in-process-engine interpreter; its last line of output."""
     result = subprocess.run(
         [sys.executable, "-c", script, *args],
@@ -470,7 +470,7 @@ def run_child(script: str, *args: str, **env: str) -> str:
         },
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout_s,
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]

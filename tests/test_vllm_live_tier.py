@@ -41,8 +41,8 @@ NAMESPACE = "live-tier"
 PREFIX = "omnicache-test"
 ENTRIES = [
     "hidden_states",
-    "kv.language_model.model.layers.0.self_attn.attn",
-    "kv.language_model.model.layers.1.self_attn.attn",
+    "kv.tp0of1.language_model.model.layers.0.self_attn.attn",
+    "kv.tp0of1.language_model.model.layers.1.self_attn.attn",
 ]
 # (image seed, cache salt) per request, one generate call per wave.
 A_WAVES: list[list[tuple[int, str | None]]] = [

@@ -14,8 +14,8 @@ prompt's hidden states:
 - bad values of omnicache's request fields, and ``n=2`` with hidden states,
   are refused before anything is scheduled.
 
-A second interpreter starts a tensor-parallel engine (2 ranks, one core each)
-with the Redis tier, which must be refused at start.
+Tensor-parallel engines with the Redis tier, which once served another
+rank's KV shard, are checked in ``test_vllm_live_parallel``.
 
 Same conventions as ``test_vllm_live``: skipped without the live CPU engine
 of vLLM 0.32, failed instead under ``CI=true`` or
@@ -245,49 +245,3 @@ def test_a_reference_without_data_and_bad_fields_are_refused_before_anything_run
     # Nothing was looked up for them.
     before, after = attack["counters"]
     assert before == after
-
-
-TENSOR_PARALLEL_CHILD = """
-import sys
-from pathlib import Path
-import test_vllm_live as t
-from vllm import LLM
-try:
-    LLM(**t.engine_args(
-        Path(sys.argv[1]),
-        scheduler_cls=t.SCHEDULER,
-        worker_cls="omnicache.integrations.vllm.worker.OmniCPUWorker",
-        tensor_parallel_size=2,
-        kv_transfer_config={
-            "kv_connector": "OmniStoreConnector",
-            "kv_connector_module_path": "omnicache.integrations.vllm.connector",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {
-                "tier_url": "redis://127.0.0.1:9/0", "tier_namespace": "tp2",
-            },
-        },
-    ))
-    print("started")
-except ValueError as error:
-    print(str(error))
-"""
-
-
-def test_tensor_parallel_with_the_tier_is_refused_at_start(tmp_path: Path) -> None:
-    from omnicache.demo.tiny_models import build_text_model
-
-    model = build_text_model(tmp_path / "qwen2-tiny")
-    # NOTE: vLLM's executor logs its shutdown at exit, after the child's last
-    # line, unless its log is limited to errors.
-    found = live.run_child(
-        TENSOR_PARALLEL_CHILD,
-        str(model),
-        VLLM_CPU_OMP_THREADS_BIND="0|1",
-        VLLM_LOGGING_LEVEL="ERROR",
-    )
-    assert found == (
-        "OmniStoreConnector: expected tensor_parallel_size 1 with a tier (tier_url): each rank's "
-        "KV cache is its own shard of the heads, and the tier keeps a block's KV under a key "
-        "that does not say which rank saved it; found tensor_parallel_size 2"
-    )

@@ -34,9 +34,9 @@ Configuration: ``kv_transfer_config={"kv_connector": "OmniStoreConnector",
 ``max_prompt_results`` (see the worker) and the tier (``tier_url``,
 ``tier_namespace``, ``tier_prefix``: `tier.tier_config`; a tier needs
 ``kv_load_failure_policy="recompute"``). What cannot be served exactly is
-refused here, at start: speculative decoding, a tier without prefix caching,
-without the recompute policy or with tensor parallelism, pipeline
-parallelism.
+refused here, at start: speculative decoding, a tier without prefix caching
+or without the recompute policy, pipeline and context parallelism (tensor
+parallelism is served: see the worker and the tier).
 
 What a connector changes in vLLM 0.32 (``vllm/config/vllm.py``,
 ``vllm/v1/core/sched/scheduler.py``): the hybrid KV cache manager is turned
@@ -155,7 +155,7 @@ class OmniStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # NOTE: the scheduler's connector is built in the engine core's
             # process (the caller's, in process), where a refusal reaches the
             # caller as it is; a worker's would end its process first.
-            _check_parallel(vllm_config.parallel_config, tier=self.tier is not None)
+            _check_parallel(vllm_config.parallel_config)
         self.kv_caches: dict[str, torch.Tensor] = {}
         self._secret = secrets.token_bytes(32)
         self._scheduler_side: SchedulerSide | None = None
@@ -302,25 +302,27 @@ class OmniStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return delay, params or None
 
 
-def _check_parallel(parallel_config: Any, *, tier: bool) -> None:
-    """Refuses, at start, the parallel layouts whose rows or KV the store cannot serve exactly.
+def _check_parallel(parallel_config: Any) -> None:
+    """Refuses, at start, the parallel layouts whose rows the store cannot serve exactly.
 
-    Final hidden states are replicated on every tensor-parallel rank, so each
-    rank's store holds the same rows and any rank's result is exact; but a
-    rank's KV cache is its own shard of the heads, and the tier keeps one
-    block's KV under one key whatever rank saved it. Under pipeline
-    parallelism only the last stage sees the final hidden states.
+    Under tensor parallelism the final hidden states are replicated on every
+    rank, and each rank's KV shard has its own name in the tier
+    (`tier.kv_entry_name`): served. Under pipeline parallelism only the last
+    stage sees the final hidden states; under context parallelism (vLLM's
+    prefill and decode context parallel sizes) each rank holds some of a
+    request's tokens, in slots the scheduler's plan does not name.
     """
-    tensor = int(parallel_config.tensor_parallel_size)
-    if tier and tensor != 1:
-        raise ValueError(
-            f"{CONNECTOR_NAME}: expected tensor_parallel_size 1 with a tier (tier_url): each "
-            "rank's KV cache is its own shard of the heads, and the tier keeps a block's KV under "
-            f"a key that does not say which rank saved it; found tensor_parallel_size {tensor}"
-        )
-    pipeline = int(parallel_config.pipeline_parallel_size)
-    if pipeline != 1:
-        raise ValueError(
-            f"{CONNECTOR_NAME}: expected pipeline_parallel_size 1 (only the last stage has the "
-            f"model's final hidden states), found {pipeline}"
-        )
+    for field, what in (
+        ("pipeline_parallel_size", "only the last stage has the model's final hidden states"),
+        (
+            "prefill_context_parallel_size",
+            "each rank holds some of a request's tokens, in slots the store's plan does not name",
+        ),
+        (
+            "decode_context_parallel_size",
+            "each rank holds some of a request's tokens, in slots the store's plan does not name",
+        ),
+    ):
+        size = int(getattr(parallel_config, field, 1))
+        if size != 1:
+            raise ValueError(f"{CONNECTOR_NAME}: expected {field} 1 ({what}), found {size}")

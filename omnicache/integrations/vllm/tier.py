@@ -3,11 +3,12 @@
 A second engine has no KV for the blocks another engine computed, so vLLM
 gives it no local hit and it recomputes them; hidden rows alone never serve
 a row there. So the tier keeps, per block key, one value per entry:
-``hidden_states`` (the block's final hidden rows) and ``kv.<layer name>`` (the
-block's keys and values of that attention layer, token-major), each in the
-tier's checked format (`omnicache.tiers.codec`: version, dtype, shape, key
-stamp and checksum verified on every load). One Redis client implementation
-serves both sides (`omnicache.tiers.redis.RedisTier`).
+``hidden_states`` (the block's final hidden rows) and, per tensor-parallel rank,
+``kv.tp<rank>of<size>.<layer name>`` (that rank's shard of the block's keys
+and values of that attention layer, token-major: a rank's KV cache holds
+only its heads), each in the tier's checked format (`omnicache.tiers.codec`:
+version, dtype, shape, key stamp and checksum verified on every load). One
+Redis client implementation serves both sides (`omnicache.tiers.redis.RedisTier`).
 
 - Scheduler side, `TierReader`: at the lookup, asks Redis only which further
   blocks of a request's key chain exist (``EXISTS``: a few bytes a value),
@@ -60,6 +61,7 @@ __all__ = [
     "WorkerTier",
     "entry_names",
     "entry_specs",
+    "kv_entry_name",
     "tier_config",
     "tier_reader",
 ]
@@ -68,7 +70,7 @@ TIER_URL = "tier_url"
 TIER_NAMESPACE = "tier_namespace"
 TIER_PREFIX = "tier_prefix"
 KV_ENTRY_PREFIX = "kv."
-"""Entry name of a layer's KV: ``kv.<layer name>``."""
+"""Entry names of a layer's KV start so: ``kv.tp<rank>of<size>.<layer name>``."""
 
 _LOG = logging.getLogger(__name__)
 
@@ -195,7 +197,7 @@ class TierReader:
 
 
 def tier_reader(config: TierConfig, vllm_config: Any, kv_cache_config: Any) -> TierReader:
-    """The scheduler's reader of ``config``'s tier, for the engine's KV cache.
+    """The scheduler's reader of ``config``'s tier, for the engine's KV cache and layout.
 
     Raises:
         ValueError: the KV cache has more than one group (the tier keeps one).
@@ -204,7 +206,8 @@ def tier_reader(config: TierConfig, vllm_config: Any, kv_cache_config: Any) -> T
     if len(groups) != 1:
         raise ValueError(f"tier ({TIER_URL}): expected one KV cache group, found {len(groups)}")
     (group,) = groups
-    return TierReader(config, entry_names(group.layer_names))
+    size = int(vllm_config.parallel_config.tensor_parallel_size)
+    return TierReader(config, entry_names(group.layer_names, size))
 
 
 def entry_specs(
@@ -212,25 +215,40 @@ def entry_specs(
     hidden_dtype: torch.dtype,
     kv_shapes: Mapping[str, tuple[int, int]],
     kv_dtype: torch.dtype,
+    rank: int = 0,
+    num_ranks: int = 1,
 ) -> list[EntrySpec]:
-    """The tier entries of one block, named as `entry_names` names them.
+    """The tier entries one rank loads of a block: hidden rows, then its KV of each layer.
 
     ``kv_shapes``: per layer, ``(heads, content)``: a token's keys and values
-    as vLLM's per-layer view holds them (see `WorkerTier`).
+    as the rank's per-layer view holds them (see `WorkerTier`).
     """
     layers = sorted(kv_shapes)
-    hidden, *kv = entry_names(layers)
-    specs = [EntrySpec(hidden, (hidden_size,), hidden_dtype, False, 0)]
+    specs = [EntrySpec(HIDDEN_STATES, (hidden_size,), hidden_dtype, False, 0)]
     specs += [
-        EntrySpec(name, tuple(kv_shapes[layer]), kv_dtype, False, 0)
-        for name, layer in zip(kv, layers, strict=True)
+        EntrySpec(kv_entry_name(name, rank, num_ranks), tuple(kv_shapes[name]), kv_dtype, False, 0)
+        for name in layers
     ]
     return specs
 
 
-def entry_names(layer_names: Iterable[str]) -> list[str]:
-    """The tier entries of one block: hidden rows, then each layer's KV, layers sorted."""
-    return [HIDDEN_STATES, *(KV_ENTRY_PREFIX + name for name in sorted(layer_names))]
+def kv_entry_name(layer_name: str, rank: int, num_ranks: int) -> str:
+    """The entry of tensor-parallel ``rank``'s (of ``num_ranks``) KV shard of a layer."""
+    if not 0 <= rank < num_ranks:
+        raise ValueError(f"rank: expected 0 <= rank < {num_ranks}, found {rank}")
+    return f"{KV_ENTRY_PREFIX}tp{rank}of{num_ranks}.{layer_name}"
+
+
+def entry_names(layer_names: Iterable[str], num_ranks: int = 1) -> list[str]:
+    """Every tier entry of one block: hidden rows, then each layer's KV shards, layers sorted."""
+    return [
+        HIDDEN_STATES,
+        *(
+            kv_entry_name(name, rank, num_ranks)
+            for name in sorted(layer_names)
+            for rank in range(num_ranks)
+        ),
+    ]
 
 
 @dataclass(slots=True)
@@ -257,13 +275,22 @@ class WorkerTier:
             attention backend's cache so, its physical layout in the view's
             strides; the tier copies through the view whatever the strides).
         store: the worker's store (its ``HIDDEN_STATES`` entry and block size).
+        rank: the worker's tensor-parallel rank; it saves and loads its own KV
+            shard, and only rank 0 saves the hidden rows (every rank's are the same).
+        num_ranks: the tensor-parallel size.
 
     Raises:
         ValueError: KV caches of another layout, or that do not fit the store.
     """
 
     def __init__(
-        self, config: TierConfig, kv_caches: Mapping[str, torch.Tensor], store: TensorStore
+        self,
+        config: TierConfig,
+        kv_caches: Mapping[str, torch.Tensor],
+        store: TensorStore,
+        *,
+        rank: int = 0,
+        num_ranks: int = 1,
     ) -> None:
         from omnicache.tiers.redis import RedisTier
 
@@ -296,8 +323,11 @@ class WorkerTier:
                     f"found {cache.dtype}"
                 )
             kv_shapes[name] = (int(cache.shape[1]), int(cache.shape[3]))
-            self._layers.append((KV_ENTRY_PREFIX + name, cache))
-        self.entries = tuple(entry_specs(hidden.row_shape[0], hidden.dtype, kv_shapes, kv_dtype))
+            self._layers.append((kv_entry_name(name, rank, num_ranks), cache))
+        self.saves_hidden = rank == 0
+        self.entries = tuple(
+            entry_specs(hidden.row_shape[0], hidden.dtype, kv_shapes, kv_dtype, rank, num_ranks)
+        )
         self.tier = RedisTier.from_url(config.url, namespace=config.namespace, prefix=config.prefix)
         self.stats = TierStats()
 
@@ -340,11 +370,12 @@ class WorkerTier:
         start = time.perf_counter()
         ids = list(block_keys)
         keys = [block_keys[block_id] for block_id in ids]
-        hidden = store.read_blocks(HIDDEN_STATES, ids, keys)
+        hidden = store.read_blocks(HIDDEN_STATES, ids, keys) if self.saves_hidden else None
         blocks: list[TierBlock] = []
         for index, (block_id, key) in enumerate(zip(ids, keys, strict=True)):
-            rows = hidden[index * self.block_size : (index + 1) * self.block_size]
-            blocks.append(TierBlock(key, HIDDEN_STATES, rows))
+            if hidden is not None:
+                rows = hidden[index * self.block_size : (index + 1) * self.block_size]
+                blocks.append(TierBlock(key, HIDDEN_STATES, rows))
             for name, cache in self._layers:
                 blocks.append(TierBlock(key, name, cache[block_id].permute(1, 0, 2)))
         self.tier.put(blocks)

@@ -69,9 +69,13 @@ hit could not be read has a result of None (``num_prompt_failures``).
 Supported: vLLM's V1 model runner (the default; the V2 model runner orders
 its batch elsewhere and is refused), one full-attention KV cache group, no
 speculative decoding. Tensor-parallel ranks each keep a full copy of the
-store (the final hidden states are replicated on every rank), and results
-are taken from the first; with a tier, and under pipeline parallelism, the
-connector refuses to start. `OmniCPUWorker` runs in the live tests;
+store: the final hidden states are replicated on every rank, and vLLM's
+vocabulary-parallel LM head needs a hit's rows on every rank to score its
+positions; every rank applies the same plan to the same rows, so their
+stamps agree. Only the first rank gathers prompt results, and they are
+taken from it. With a tier, each rank saves and loads its own KV shard
+(`WorkerTier`). Under pipeline or context parallelism the connector
+refuses to start. `OmniCPUWorker` runs in the live tests;
 `OmniGPUWorker` shares every line but its base and has not run on a GPU.
 """
 
@@ -104,6 +108,10 @@ from omnicache.store import HIDDEN_STATES, TensorStore
 
 vllm_series()  # vLLM imports this module by name: fail here, with the install hint.
 
+from vllm.distributed import (  # noqa: E402
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 from vllm.distributed.kv_transfer import (  # noqa: E402
     get_kv_transfer_group,
     has_kv_transfer_group,
@@ -257,6 +265,9 @@ class LiveStore:
         scorer: gives the hit positions of requests that ask for prompt
             logprobs or per-token embeddings their outputs, from the hit's
             rows (None: none asks).
+        keeps_results: whether this store gathers the prompt results callers
+            take (under tensor parallelism, only the first rank's does: its
+            results are the ones taken).
     """
 
     def __init__(
@@ -266,6 +277,7 @@ class LiveStore:
         max_results: int,
         tier: WorkerTier | None = None,
         scorer: PromptScorer | None = None,
+        keeps_results: bool = True,
     ) -> None:
         if not isinstance(store, TensorStore):
             raise TypeError(f"store: expected a TensorStore, found {type_name(store)}")
@@ -277,6 +289,7 @@ class LiveStore:
         self.tier = tier
         self.scorer = scorer
         self.max_results = check_int("max_results", max_results, minimum=1)
+        self.keeps_results = keeps_results
         self._prompts: dict[str, _Prompt] = {}
         # Request id -> (its key, its rows or None).
         self._results: OrderedDict[str, tuple[str, torch.Tensor | None]] = OrderedDict()
@@ -304,6 +317,8 @@ class LiveStore:
         if plan.cleared_block_ids:
             store.invalidate(plan.cleared_block_ids)
             self._stats.num_cleared_blocks += len(plan.cleared_block_ids)
+        if not self.keeps_results:
+            return
         for req_id, num_tokens in plan.prompt_requests.items():
             every = req_id in plan.sequence_requests
             self._prompts[req_id] = _Prompt(None if every else num_tokens, plan.result_keys[req_id])
@@ -839,10 +854,13 @@ class OmniWorkerMixin:
             hidden_size=model_config.get_hidden_size(),
             hidden_dtype=model_config.dtype,
         )
+        rank, num_ranks = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         tier = (
             None
             if connector.tier is None
-            else WorkerTier(connector.tier, connector.kv_caches, store)
+            else WorkerTier(
+                connector.tier, connector.kv_caches, store, rank=rank, num_ranks=num_ranks
+            )
         )
         extra = self.vllm_config.kv_transfer_config.kv_connector_extra_config
         self.omni_store = LiveStore(
@@ -850,6 +868,7 @@ class OmniWorkerMixin:
             max_results=extra.get("max_prompt_results", DEFAULT_MAX_PROMPT_RESULTS),
             tier=tier,
             scorer=self._omni_scorer,
+            keeps_results=rank == 0,
         )
         connector.bind_worker_side(self.omni_store)
 
