@@ -49,7 +49,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     [_HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 )
 
-from live_timing import Timed  # noqa: E402
+from live_timing import Timed, kv_budget  # noqa: E402
 from vllm.v1.worker.cpu_worker import CPUWorker  # noqa: E402
 
 from omnicache.integrations.vllm.worker import OmniCPUWorker  # noqa: E402
@@ -104,7 +104,7 @@ def engine(mode: str, multiprocess: bool, model: Path) -> Any:
     options: dict[str, Any] = {
         "model": str(model),
         "block_size": 32,
-        "kv_cache_memory_bytes": 64 * 2**20,
+        "kv_cache_memory_bytes": kv_budget(64 * 2**20, model, store=mode == "omnicache"),
         "max_model_len": 1024,
         "max_num_seqs": 4,
         "enable_prefix_caching": True,

@@ -34,7 +34,7 @@ from typing import Any
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-from live_timing import Timed
+from live_timing import Timed, kv_budget
 
 from omnicache.demo.tiny_models import build_text_model
 from omnicache.integrations.vllm.common import (
@@ -69,7 +69,7 @@ def engine(mode: str, model: Path) -> Any:
     options: dict[str, Any] = {
         "model": str(model),
         "block_size": BLOCK_SIZE,
-        "kv_cache_memory_bytes": 32 * 2**20,
+        "kv_cache_memory_bytes": kv_budget(32 * 2**20, model, store=mode == "keys + store"),
         "max_model_len": 1024,
         "max_num_seqs": 16,
         "enable_prefix_caching": True,

@@ -39,7 +39,7 @@ from typing import Any
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-from live_timing import Timed
+from live_timing import Timed, kv_budget
 
 from omnicache.demo.tiny_models import build_text_model
 from omnicache.integrations.vllm.common import (
@@ -74,7 +74,7 @@ def engine(model: Path, url: str | None) -> Any:
     return LLM(
         model=str(model),
         block_size=BLOCK_SIZE,
-        kv_cache_memory_bytes=64 * 2**20,
+        kv_cache_memory_bytes=kv_budget(64 * 2**20, model, store=True),
         max_model_len=1024,
         max_num_seqs=16,
         enable_prefix_caching=True,

@@ -42,7 +42,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 import numpy as np
-from live_timing import Timed
+from live_timing import Timed, kv_budget
 from PIL import Image
 
 from omnicache.demo.tiny_models import build_vl_model
@@ -91,7 +91,7 @@ def engine(mode: str, model: Path, dtype: str) -> Any:
     options: dict[str, Any] = {
         "model": str(model),
         "block_size": BLOCK_SIZE,
-        "kv_cache_memory_bytes": 64 * 2**20,
+        "kv_cache_memory_bytes": kv_budget(64 * 2**20, model, store=mode == "omnicache"),
         "max_model_len": 2048,
         "max_num_seqs": 32,
         "enable_prefix_caching": mode != "caching off",

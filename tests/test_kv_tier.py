@@ -31,7 +31,7 @@ from omnicache.store import HIDDEN_STATES, TensorStore
 # NOTE: the worker's module imports vLLM (it is the worker's room); its store needs no engine.
 pytestmark = pytest.mark.skipif(VLLM_MISSING is not None, reason=VLLM_MISSING or "")
 if VLLM_MISSING is None:
-    from omnicache.integrations.vllm.worker import LiveStore
+    from omnicache.integrations.vllm.worker import LiveStore, follower_store
 
 if TYPE_CHECKING:
     from redis_server import RedisServer
@@ -62,6 +62,11 @@ def assert_same_kv(
 
 def store() -> TensorStore:
     return TensorStore(8, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32)
+
+
+def rank_store(rank: int) -> TensorStore:
+    """A tensor-parallel rank's store: the rows on the first rank, a follower's on the others."""
+    return store() if rank == 0 else follower_store(8, BS)
 
 
 def reader(config: TierConfig) -> TierReader:
@@ -159,8 +164,10 @@ def test_tensor_parallel_ranks_each_load_their_own_shard_and_no_other_layout_doe
     saved: list[dict[str, torch.Tensor]] = []
     workers = []
     for rank in range(2):
-        kv, st = caches(seed=10 + rank, heads=1), store()
-        st.write_blocks(HIDDEN_STATES, rows, [1, 2], block_keys=[K[0], K[1]])
+        # The first rank's store keeps the rows; the other's is a follower's (stamps).
+        kv, st = caches(seed=10 + rank, heads=1), rank_store(rank)
+        marks = rows if rank == 0 else torch.zeros(2 * BS, 1, dtype=torch.uint8)
+        st.write_blocks(HIDDEN_STATES, marks, [1, 2], block_keys=[K[0], K[1]])
         workers.append((WorkerTier(config, kv, st, rank=rank, num_ranks=2), st))
         saved.append(kv)
     both = TierReader(config, entry_names(LAYERS, 2))
@@ -181,12 +188,15 @@ def test_tensor_parallel_ranks_each_load_their_own_shard_and_no_other_layout_doe
     for reader_ in (both, one):
         reader_.close()
     for rank in range(2):
-        target_kv, target = caches(seed=None, heads=1), store()
+        target_kv, target = caches(seed=None, heads=1), rank_store(rank)
         tier = WorkerTier(config, target_kv, target, rank=rank, num_ranks=2)
         assert tier.load(target, LoadOrder("r", (5, 6), (K[0], K[1]))) == 2
         assert_same_kv(target_kv, saved[rank], {5: 1, 6: 2})
         assert not torch.equal(target_kv[LAYERS[0]][5], saved[1 - rank][LAYERS[0]][1])
-        assert torch.equal(target.read_blocks(HIDDEN_STATES, [5, 6], [K[0], K[1]]), rows)
+        # Both stamped the loaded blocks; only the first rank's store has their rows.
+        assert target.probe([5, 6], [K[0], K[1]]) == 2
+        if rank == 0:
+            assert torch.equal(target.read_blocks(HIDDEN_STATES, [5, 6], [K[0], K[1]]), rows)
         tier.close()
     single_kv, single = caches(seed=None), store()
     tier = WorkerTier(config, single_kv, single)

@@ -298,3 +298,68 @@ def test_the_scorer_gets_each_verified_hit_s_rows_once_and_none_for_a_stale_hit(
     assert scorer.scored[-1] == ("b", 8, None)
     assert scorer.num_rows == [2 * BS, 0]
     assert live.stats.num_score_failures == 1
+
+
+def test_a_follower_keeps_the_first_ranks_stamps_without_its_rows_and_scores_its_rows() -> None:
+    from omnicache.integrations.vllm.worker import follower_store
+
+    shared: list[torch.Tensor] = []
+
+    def broadcast(rows: torch.Tensor) -> torch.Tensor:  # the first rank's side
+        shared.append(rows.clone())
+        return rows
+
+    def receive(buffer: torch.Tensor) -> torch.Tensor:  # a follower's side
+        (sent,) = shared[-1:]
+        assert buffer.shape == sent.shape and buffer.dtype == sent.dtype
+        return buffer.copy_(sent)
+
+    scorers = [Scores({"b"}), Scores({"b"})]
+    leader = LiveStore(
+        TensorStore(8, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32),
+        max_results=8,
+        scorer=scorers[0],
+        share=broadcast,
+    )
+    follower = LiveStore(
+        follower_store(8, BS), max_results=8, scorer=scorers[1], share=receive, keeps_results=False
+    )
+    assert follower.store.nbytes == 8 * BS  # one byte a row
+    first = StepPlan(
+        caching=True,
+        requests=(PlannedRequest("a", 0, 12, (1, 2, 3)),),
+        block_keys={1: K[1], 2: K[2], 3: K[3]},
+        prompt_requests={"a": 12},
+        result_keys={"a": "key-a"},
+    )
+    # "p" asks for its prompt's rows and hits block 3; "b" scores its hit on
+    # blocks 1 and 2: the rows shared are b's blocks only, whatever the order.
+    second = StepPlan(
+        caching=True,
+        requests=(
+            PlannedRequest("p", 4, 1, (5,), (3,), (K[3],)),
+            PlannedRequest("b", 8, 1, (4,), (1, 2), (K[1], K[2])),
+        ),
+        prompt_requests={"p": 5},
+        result_keys={"p": "key-p"},
+    )
+    for plan, order, values in ((first, ["a"], rows(100, 12)), (second, ["p", "b"], rows(500, 2))):
+        for live in (leader, follower):
+            stamped = live.apply(plan, order, values, slots_of(plan, order))
+            assert sorted(stamped) == ([1, 2, 3] if plan is first else [])
+    for block_id in range(8):
+        assert follower.store.stamp_of(HIDDEN_STATES, block_id) == leader.store.stamp_of(
+            HIDDEN_STATES, block_id
+        )
+    assert len(shared) == 1 and torch.equal(shared[0], rows(100, 8))
+    assert [(req_id, num) for req_id, num, _ in scorers[1].scored] == [("b", 8)]
+    assert torch.equal(scorers[1].scored[0][2], rows(100, 8))  # type: ignore[arg-type]
+    assert torch.equal(scorers[0].scored[0][2], rows(100, 8))  # type: ignore[arg-type]
+    found = leader.take({"a": "key-a", "p": "key-p"})
+    assert torch.equal(found["p"], torch.cat([rows(108, 4), rows(500, 1)]))  # type: ignore[arg-type]
+    assert follower.take({"a": "key-a", "p": "key-p"}) == {}
+    assert follower.stats.num_hit_blocks == leader.stats.num_hit_blocks == 3
+    assert follower.stats.num_stale_hit_blocks == 0
+    # A follower's store needs the first rank's rows: without a share it is refused.
+    with pytest.raises(ValueError, match=r"a follower's store \(one byte a row\) expected with a"):
+        LiveStore(follower_store(8, BS), max_results=8, keeps_results=False)

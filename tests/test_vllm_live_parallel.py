@@ -14,7 +14,8 @@ then an engine at ``tensor_parallel_size=1`` on the same tier, which finds
 nothing there: the values of another layout have other names. Every
 request asks for its prompt's hidden states; every other one also for its
 prompt logprobs (scored from the stored rows through vLLM's
-vocabulary-parallel LM head on both ranks). The child prints what it saw,
+vocabulary-parallel LM head on both ranks: the first rank keeps the rows
+and hands a scored hit's to the other). The child prints what it saw,
 and the tests check it.
 
 Same conventions as ``test_vllm_live``: skipped without the live CPU engine
@@ -51,6 +52,7 @@ B_EXTERNAL = [128, 64, 32]
 
 CHILD = """
 import json, sys
+from pathlib import Path
 import test_vllm_live as t
 from vllm import LLM, SamplingParams
 from omnicache.integrations.vllm.results import take_prompt_hidden_states
@@ -192,6 +194,17 @@ def test_prompt_hidden_states_at_tp2_equal_an_engine_without_caching(report: Any
         assert first["num_slot_mismatches"] == second["num_slot_mismatches"] == 0
         assert first["num_scored_requests"] == second["num_scored_requests"] > 0
         assert first["num_score_failures"] == second["num_score_failures"] == 0
+        # The rows are on the first rank only: the other keeps a byte a row.
+        assert second["store_nbytes"] * 128 * 4 == first["store_nbytes"] > 0
+        # Each rank's KV shard and store fit the 64 MiB the engine was given,
+        # with less than a block to spare on the first (1 KV head a rank: 16 KiB
+        # a block, and 16 KiB of rows); the other has the first's blocks.
+        block = 2 * 2 * 1 * 32 * live.BLOCK_SIZE * 4
+        rows = 128 * live.BLOCK_SIZE * 4
+        budget = 64 * 2**20
+        assert first["kv_cache_nbytes"] == second["kv_cache_nbytes"]
+        assert budget - (block + rows) < first["kv_cache_nbytes"] + first["store_nbytes"]
+        assert first["kv_cache_nbytes"] + first["store_nbytes"] <= budget
         assert first["num_prompt_results"] == requests
         assert second["num_prompt_results"] == 0
         assert first["num_pending_results"] == second["num_pending_results"] == 0

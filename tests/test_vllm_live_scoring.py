@@ -37,6 +37,8 @@ CONNECTOR = {
 }
 # 2 layers x K and V x 2 heads x 32 values x 4 bytes per token.
 BLOCK_BYTES = 2 * 2 * 2 * 32 * live.BLOCK_SIZE * 4
+# The store's rows of a block (128 float32 values a token), in the same budget.
+STORE_BYTES = 128 * live.BLOCK_SIZE * 4
 # A few-shot prefix of 10 blocks, then each request's question: 354 tokens.
 PREFIX = [(7 * i) % 300 + 1 for i in range(10 * live.BLOCK_SIZE)]
 
@@ -110,7 +112,7 @@ def pressed(text_model: Path, in_process: None) -> dict[str, dict[str, Any]]:
     store = LLM(
         **store_args(
             text_model,
-            kv_cache_memory_bytes=NUM_BLOCKS * BLOCK_BYTES,
+            kv_cache_memory_bytes=NUM_BLOCKS * (BLOCK_BYTES + STORE_BYTES),
             max_num_batched_tokens=CHUNK,
             max_model_len=512,
         )

@@ -31,6 +31,9 @@ WORKER = "omnicache.integrations.vllm.worker.OmniCPUWorker"
 # (2 layers x K and V x 2 heads x 32 values x 4 bytes per token).
 NUM_BLOCKS = 24
 BLOCK_BYTES = 2 * 2 * 2 * 32 * live.BLOCK_SIZE * 4
+# The store's rows of a block (128 float32 values a token): an engine with the
+# store holds them in the same budget, so it is given both for as many blocks.
+STORE_BYTES = 128 * live.BLOCK_SIZE * 4
 # Waves of (image seed, cache salt): each wave is one generate call, so its
 # requests run in the same steps; a request repeated within a wave hits the
 # blocks its twin computes in the same step.
@@ -67,7 +70,7 @@ def store_args(model: Path, **overrides: Any) -> dict[str, Any]:
             "kv_connector_module_path": "omnicache.integrations.vllm.connector",
             "kv_role": "kv_both",
         },
-        kv_cache_memory_bytes=NUM_BLOCKS * BLOCK_BYTES,
+        kv_cache_memory_bytes=NUM_BLOCKS * (BLOCK_BYTES + STORE_BYTES),
         max_model_len=512,
         limit_mm_per_prompt={"image": 1},
         **overrides,
@@ -246,4 +249,18 @@ def test_hits_are_vllms_own_and_every_hit_read_its_stamped_rows(
     assert stats["num_cleared_blocks"] > 0
     assert stats["num_rows_written"] == sum(store["num_prompt"]) - sum(hits) + len(hits) * (
         live.MAX_TOKENS - 1
+    )
+
+
+def test_the_kv_cache_and_the_store_share_the_budget_the_engine_was_given(
+    runs: dict[str, dict[str, Any]],
+) -> None:
+    # Given NUM_BLOCKS x (KV + store rows), the engine with the store has
+    # NUM_BLOCKS blocks, as vLLM alone given NUM_BLOCKS x KV (the same hits:
+    # see above), and the two fill the budget exactly.
+    stats = runs["store"]["stats"]
+    assert stats["kv_cache_nbytes"] == NUM_BLOCKS * BLOCK_BYTES
+    assert stats["store_nbytes"] == NUM_BLOCKS * STORE_BYTES
+    assert stats["kv_cache_nbytes"] + stats["store_nbytes"] == NUM_BLOCKS * (
+        BLOCK_BYTES + STORE_BYTES
     )

@@ -276,7 +276,9 @@ class WorkerTier:
             strides; the tier copies through the view whatever the strides).
         store: the worker's store (its ``HIDDEN_STATES`` entry and block size).
         rank: the worker's tensor-parallel rank; it saves and loads its own KV
-            shard, and only rank 0 saves the hidden rows (every rank's are the same).
+            shard, and only rank 0 saves and loads the hidden rows (every rank's
+            are the same, and only rank 0's store keeps them: another rank's
+            store is a follower's, whose blocks a load only stamps).
         num_ranks: the tensor-parallel size.
 
     Raises:
@@ -324,10 +326,9 @@ class WorkerTier:
                 )
             kv_shapes[name] = (int(cache.shape[1]), int(cache.shape[3]))
             self._layers.append((kv_entry_name(name, rank, num_ranks), cache))
-        self.saves_hidden = rank == 0
-        self.entries = tuple(
-            entry_specs(hidden.row_shape[0], hidden.dtype, kv_shapes, kv_dtype, rank, num_ranks)
-        )
+        self.keeps_rows = rank == 0
+        specs = entry_specs(hidden.row_shape[0], hidden.dtype, kv_shapes, kv_dtype, rank, num_ranks)
+        self.entries = tuple(specs if self.keeps_rows else specs[1:])
         self.tier = RedisTier.from_url(config.url, namespace=config.namespace, prefix=config.prefix)
         self.stats = TierStats()
 
@@ -346,7 +347,12 @@ class WorkerTier:
                 # NOTE: token-major in the tier: (block_size, heads, content).
                 cache[block_id].copy_(rows[name].permute(1, 0, 2))
         if num:
-            hidden = torch.cat([rows[HIDDEN_STATES] for rows in run[:num]])
+            if self.keeps_rows:
+                hidden = torch.cat([rows[HIDDEN_STATES] for rows in run[:num]])
+            else:
+                # NOTE: a follower's store keeps only stamps (and a byte a row).
+                spec = store.entries[HIDDEN_STATES]
+                hidden = torch.zeros((num * self.block_size, *spec.row_shape), dtype=spec.dtype)
             store.write_blocks(
                 HIDDEN_STATES, hidden, order.block_ids[:num], block_keys=order.block_keys[:num]
             )
@@ -370,7 +376,7 @@ class WorkerTier:
         start = time.perf_counter()
         ids = list(block_keys)
         keys = [block_keys[block_id] for block_id in ids]
-        hidden = store.read_blocks(HIDDEN_STATES, ids, keys) if self.saves_hidden else None
+        hidden = store.read_blocks(HIDDEN_STATES, ids, keys) if self.keeps_rows else None
         blocks: list[TierBlock] = []
         for index, (block_id, key) in enumerate(zip(ids, keys, strict=True)):
             if hidden is not None:

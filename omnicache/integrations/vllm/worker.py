@@ -68,14 +68,17 @@ hit could not be read has a result of None (``num_prompt_failures``).
 
 Supported: vLLM's V1 model runner (the default; the V2 model runner orders
 its batch elsewhere and is refused), one full-attention KV cache group, no
-speculative decoding. Tensor-parallel ranks each keep a full copy of the
-store: the final hidden states are replicated on every rank, and vLLM's
-vocabulary-parallel LM head needs a hit's rows on every rank to score its
-positions; every rank applies the same plan to the same rows, so their
-stamps agree. Only the first rank gathers prompt results, and they are
-taken from it. With a tier, each rank saves and loads its own KV shard
-(`WorkerTier`). Under pipeline or context parallelism the connector
-refuses to start. `OmniCPUWorker` runs in the live tests;
+speculative decoding. Under tensor parallelism the final hidden states are
+replicated on every rank: the first rank's store keeps them, and every
+other rank keeps a follower's store (`follower_store`: the same stamps, one
+byte a row), since every rank applies the same plan to the same slots. A
+step that scores a hit's positions (vLLM's vocabulary-parallel LM head runs
+on every rank) hands the first rank's hit rows to the others (a broadcast
+over the tensor-parallel group, in that step only). Only the first rank
+gathers prompt results, and they are taken from it. With a tier, each rank
+saves and loads its own KV shard (`WorkerTier`). Under pipeline or context
+parallelism the connector refuses to start. `OmniCPUWorker` runs in the
+live tests;
 `OmniGPUWorker` shares every line but its base and has not run on a GPU.
 """
 
@@ -111,6 +114,7 @@ vllm_series()  # vLLM imports this module by name: fail here, with the install h
 from vllm.distributed import (  # noqa: E402
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
+    get_tp_group,
 )
 from vllm.distributed.kv_transfer import (  # noqa: E402
     get_kv_transfer_group,
@@ -125,6 +129,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_MAX_PROMPT_RESULTS",
     "FLUSH_METHOD",
+    "FOLLOWER_DTYPE",
     "GPU_WORKER_CLS",
     "STATS_METHOD",
     "WORKER_CLS",
@@ -136,13 +141,19 @@ __all__ = [
     "PromptOutputs",
     "PromptScorer",
     "ScoredPrompt",
+    "follower_store",
 ]
 
 STATS_METHOD = "omni_live_store_stats"
 FLUSH_METHOD = "omni_tier_flush"
 DEFAULT_MAX_PROMPT_RESULTS = 256
+FOLLOWER_DTYPE = torch.uint8
+"""A follower's store (`follower_store`) keeps one value of this type a row."""
 
 _LOG = logging.getLogger(__name__)
+# NOTE: vLLM's logging configuration handles its own loggers' records; the
+# sizes a user sizes the engine by belong in the engine's log.
+_ENGINE_LOG = logging.getLogger("vllm.omnicache")
 
 
 # -- the store of a step's plans ------------------------------------------------------
@@ -251,6 +262,17 @@ class PromptScorer(Protocol):
         ...
 
 
+def follower_store(num_blocks: int, block_size: int) -> TensorStore:
+    """The store of a tensor-parallel rank but the first: the same stamps, one byte a row.
+
+    Every rank applies the same plan to the same slots, so a follower's
+    stamps equal the first rank's: it verifies the same hits and stamps the
+    same blocks for the tier, keeping none of the rows (the first rank's
+    store keeps them, and shares a scored hit's rows: `LiveStore`'s ``share``).
+    """
+    return TensorStore(num_blocks, block_size, hidden_size=1, hidden_dtype=FOLLOWER_DTYPE)
+
+
 class LiveStore:
     """A worker's store of hidden states, kept in step with the scheduler's plans.
 
@@ -265,8 +287,14 @@ class LiveStore:
         scorer: gives the hit positions of requests that ask for prompt
             logprobs or per-token embeddings their outputs, from the hit's
             rows (None: none asks).
+        share: under tensor parallelism, the rank group's broadcast from the
+            first rank (`LiveStore` on it keeps the rows; on the others, a
+            follower's store keeps one byte a row: the same stamps, no rows).
+            A step whose hits are scored hands every rank the first rank's
+            hit rows through it, since vLLM's vocabulary-parallel LM head
+            scores them on every rank. None: one rank.
         keeps_results: whether this store gathers the prompt results callers
-            take (under tensor parallelism, only the first rank's does: its
+            take (only the first rank's does under tensor parallelism: its
             results are the ones taken).
     """
 
@@ -277,6 +305,7 @@ class LiveStore:
         max_results: int,
         tier: WorkerTier | None = None,
         scorer: PromptScorer | None = None,
+        share: Callable[[torch.Tensor], torch.Tensor] | None = None,
         keeps_results: bool = True,
     ) -> None:
         if not isinstance(store, TensorStore):
@@ -285,6 +314,14 @@ class LiveStore:
             raise ValueError(
                 f"store: expected an entry {HIDDEN_STATES!r}, found {sorted(store.entries)}"
             )
+        self.keeps_rows = store.entries[HIDDEN_STATES].dtype != FOLLOWER_DTYPE
+        if not self.keeps_rows and (share is None or keeps_results):
+            raise ValueError(
+                "store: a follower's store (one byte a row) expected with a share and without "
+                f"results, found share={share!r}, keeps_results={keeps_results!r}"
+            )
+        self.share = share
+        self._mark_rows = torch.zeros((0, 1), dtype=FOLLOWER_DTYPE)
         self.store = store
         self.tier = tier
         self.scorer = scorer
@@ -485,11 +522,16 @@ class LiveStore:
             # worker cannot serve, which the read check counts.
             self._stats.num_slot_mismatches += 1
             keys = {}
-        result = self.store.write(
-            HIDDEN_STATES, hidden_states, slots, block_keys=keys, num_tokens=num_rows
-        )
+        rows = hidden_states if self.keeps_rows else self._marks(num_rows)
+        result = self.store.write(HIDDEN_STATES, rows, slots, block_keys=keys, num_tokens=num_rows)
         self._stats.num_rows_written += num_rows
         return {block_id: keys[block_id] for block_id in result.stamped_block_ids}
+
+    def _marks(self, num_rows: int) -> torch.Tensor:
+        """A follower's rows: one byte each, stamps being what its store keeps."""
+        if len(self._mark_rows) < num_rows:
+            self._mark_rows = torch.zeros((num_rows, 1), dtype=FOLLOWER_DTYPE)
+        return self._mark_rows
 
     def _read(self, batch: list[PlannedRequest], hidden_states: torch.Tensor) -> None:
         """Verifies the step's hits; gathers prompt rows; scores hits' positions.
@@ -523,21 +565,36 @@ class LiveStore:
                 needs.append((item, rows, verified, prompt, scores))
         if not needs:
             return
+        # NOTE: the scored requests' blocks first: under tensor parallelism
+        # every rank scores them, from the rows the first rank shares.
         index: dict[int, int] = {}
         keys: list[BlockHash] = []
-        for item, _, verified, _, _ in needs:
-            for block_id, key in zip(item.hit_block_ids, item.hit_block_keys, strict=True):
-                if verified and block_id not in index:
-                    index[block_id] = len(index)
-                    keys.append(key)
+        num_scored = 0
+        for scored_first in (True, False):
+            for item, _, verified, _, scores in needs:
+                if scores != scored_first or not verified:
+                    continue
+                for block_id, key in zip(item.hit_block_ids, item.hit_block_keys, strict=True):
+                    if block_id not in index:
+                        index[block_id] = len(index)
+                        keys.append(key)
+            if scored_first:
+                num_scored = len(index)
         # NOTE: every block read belongs to a hit verified above: none is stale.
         bs, hidden = self.store.block_size, hidden_states.shape[-1]
-        hit_rows = (
-            self.store.read_blocks(HIDDEN_STATES, list(index), keys)
-            if index
-            else hidden_states.new_empty(0, hidden)
-        )
-        blocks = hit_rows.view(len(index), bs, hidden)
+        if not index:
+            hit_rows = hidden_states.new_empty(0, hidden)
+        elif self.keeps_rows:
+            hit_rows = self.store.read_blocks(HIDDEN_STATES, list(index), keys)
+        else:
+            # NOTE: a follower has no prompts: every block it needs is scored.
+            hit_rows = hidden_states.new_empty(len(index) * bs, hidden)
+        scored_rows = hit_rows
+        if self.share is not None and num_scored:
+            scored_rows = self.share(
+                hit_rows[: num_scored * bs].to(hidden_states.device).contiguous()
+            )
+        blocks = hit_rows.view(-1, bs, hidden)
         scored: list[ScoredPrompt] = []
         for item, rows, verified, prompt, scores in needs:
             ids = tuple(index[block_id] for block_id in item.hit_block_ids) if verified else None
@@ -552,7 +609,7 @@ class LiveStore:
                 self._count_scored(item, ids is not None)
         if scored:
             assert scorer is not None
-            scorer.score(hit_rows, bs, scored)
+            scorer.score(scored_rows, bs, scored)
 
     def _add(self, req_id: str, prompt: _Prompt, start: int, rows: torch.Tensor) -> None:
         whole = prompt.add(start, rows)
@@ -826,6 +883,39 @@ class OmniWorkerMixin:
         self._omni_capture: _Capture | None = None
         self._omni_scorer: PromptOutputs | None = None
         self._omni_layer: str | None = None
+        self._omni_kv_bytes = 0
+
+    def determine_available_memory(self) -> int:
+        """vLLM's KV cache budget, less the store's share where the store takes the same memory.
+
+        On the CPU the store's rows and vLLM's KV cache are both host memory:
+        vLLM gets ``budget * kv / (kv + store)`` (per block: every layer's KV
+        page; the store's rows on this rank), so that its blocks and the
+        store's rows of as many blocks fit the budget the user gave
+        (``kv_cache_memory_bytes``, ``VLLM_CPU_KVCACHE_SPACE`` or
+        ``gpu_memory_utilization``). On a GPU the store lives in host memory,
+        outside the device's budget, which vLLM gets whole.
+        """
+        available = int(super().determine_available_memory())  # type: ignore[misc]
+        if self.vllm_config.device_config.device_type != "cpu":
+            return available
+        kv, store = self._omni_bytes_per_block()
+        return available * kv // (kv + store)
+
+    def _omni_bytes_per_block(self) -> tuple[int, int]:
+        """One block's bytes: vLLM's KV (every layer), and this rank's store rows."""
+        specs = self.get_kv_cache_spec()  # type: ignore[attr-defined]
+        kv = sum(int(spec.page_size_bytes) for spec in specs.values())
+        (block_size, *others) = {int(spec.block_size) for spec in specs.values()}
+        if others or kv <= 0:
+            raise ValueError(
+                f"{type(self).__name__}: expected one block size and KV pages of some bytes, "
+                f"found block sizes {sorted([block_size, *others])} and {kv} bytes a block"
+            )
+        if get_tensor_model_parallel_rank() != 0:
+            return kv, block_size * FOLLOWER_DTYPE.itemsize
+        model_config = self.vllm_config.model_config
+        return kv, block_size * model_config.get_hidden_size() * model_config.dtype.itemsize
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)  # type: ignore[misc]
@@ -848,13 +938,18 @@ class OmniWorkerMixin:
                 f"found {type_name(connector)}"
             )
         model_config = self.vllm_config.model_config
-        store = TensorStore(
-            kv_cache_config.num_blocks,
-            group.kv_cache_spec.block_size,
-            hidden_size=model_config.get_hidden_size(),
-            hidden_dtype=model_config.dtype,
-        )
         rank, num_ranks = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        block_size = group.kv_cache_spec.block_size
+        store = (
+            TensorStore(
+                kv_cache_config.num_blocks,
+                block_size,
+                hidden_size=model_config.get_hidden_size(),
+                hidden_dtype=model_config.dtype,
+            )
+            if rank == 0
+            else follower_store(kv_cache_config.num_blocks, block_size)
+        )
         tier = (
             None
             if connector.tier is None
@@ -868,9 +963,26 @@ class OmniWorkerMixin:
             max_results=extra.get("max_prompt_results", DEFAULT_MAX_PROMPT_RESULTS),
             tier=tier,
             scorer=self._omni_scorer,
+            share=None if num_ranks == 1 else _share_from_first_rank,
             keeps_results=rank == 0,
         )
         connector.bind_worker_side(self.omni_store)
+        kv_bytes = self._omni_kv_bytes = (
+            kv_cache_config.num_blocks * self._omni_bytes_per_block()[0]
+        )
+        where = (
+            "the KV cache's budget holds both"
+            if self.vllm_config.device_config.device_type == "cpu"
+            else "the store is host memory, outside the device's budget"
+        )
+        _ENGINE_LOG.info(
+            "omnicache (rank %d): vLLM's KV cache %d blocks, %.1f MiB; the store %.1f MiB; %s",
+            rank,
+            kv_cache_config.num_blocks,
+            kv_bytes / 2**20,
+            store.nbytes / 2**20,
+            where,
+        )
 
     def execute_model(self, scheduler_output: Any) -> Any:
         metadata = scheduler_output.kv_connector_metadata
@@ -915,6 +1027,9 @@ class OmniWorkerMixin:
     def omni_live_store_stats(self) -> dict[str, int | float]:
         """The live store's counters and its store's, the latter prefixed ``store_``.
 
+        ``store_nbytes``: the bytes the store holds (a follower's: one a row);
+        ``kv_cache_nbytes``: those of vLLM's KV cache on this rank.
+
         With a tier, also the worker's tier counters (prefixed ``tier_``) and
         those of its Redis client (prefixed ``redis_``).
         """
@@ -923,6 +1038,8 @@ class OmniWorkerMixin:
             return {}
         stats: dict[str, int | float] = asdict(live.stats)
         stats.update({f"store_{k}": v for k, v in asdict(live.store.stats).items()})
+        stats["store_nbytes"] = live.store.nbytes
+        stats["kv_cache_nbytes"] = self._omni_kv_bytes
         if live.tier is not None:
             stats.update({f"tier_{k}": v for k, v in asdict(live.tier.stats).items()})
             stats.update({f"redis_{k}": v for k, v in asdict(live.tier.tier.stats).items()})
@@ -932,6 +1049,12 @@ class OmniWorkerMixin:
         """Waits until every block saved to the tier is written; False without a tier or in time."""
         live = self.omni_store
         return live is not None and live.tier is not None and live.tier.flush(timeout_s)
+
+
+def _share_from_first_rank(rows: torch.Tensor) -> torch.Tensor:
+    """The first tensor-parallel rank's ``rows``, on every rank (in place of theirs)."""
+    shared: torch.Tensor = get_tp_group().broadcast(rows, src=0)
+    return shared
 
 
 _WORKERS = {
