@@ -4,17 +4,22 @@ A tiny-but-wide random-weight Qwen2 (``--hidden``, default 1024; 2 layers,
 float32, blocks of 32; the live tests' model builder) serves two workloads in
 vLLM's in-process mode, where the worker is an object of this process:
 
-- prefill-heavy: ``--prefill-requests`` distinct prompts of 480 tokens, one
-  new token each (then the same prompts again, asking for their prompt's
-  hidden states: the hits' rows come from the store);
-- decode-heavy: 4 prompts of 64 tokens, ``--decode-tokens`` new tokens each.
+- prefill: ``--prefill-requests`` distinct prompts of 480 tokens, one new
+  token each;
+- rows: the same prompts again, asking for their prompt's hidden states
+  (every full block a hit: its rows come from the store, and each request's
+  480 rows are gathered for the caller; the modes without the store serve
+  the hits without rows);
+- decode: 4 prompts of 64 tokens, ``--decode-tokens`` new tokens each.
 
 Rows, one engine each: vLLM's own prefix caching (the baseline); omnicache's
 keys (``scheduler_cls`` only); omnicache's keys and the store (plus
 `OmniCPUWorker` and `OmniStoreConnector`, every step's rows written at their
 slots). Columns: the engine core's step time (median over the workload's
 steps), the worker's store work per step (`LiveStore.apply`: clears, row
-writes, hit checks, prompt results) and its share of the step. Medians over
+writes, hit checks, prompt results; median) and its share of the steps (the
+workload's store time over its step time: the decode steps that write the
+rows of up to 32 deferred ones count in full). Medians over
 ``--repeats`` passes; the modes take turns, each pass on a fresh engine
 after a warm-up workload of its own.
 
@@ -45,7 +50,7 @@ from omnicache.integrations.vllm.common import (
 
 BLOCK_SIZE = 32
 MODES = ("vLLM", "omnicache keys", "keys + store")
-WORKLOADS = ("prefill", "decode")
+WORKLOADS = ("prefill", "rows", "decode")
 
 
 def prompts(workload: str, args: argparse.Namespace, salt: str) -> list[dict[str, Any]]:
@@ -98,24 +103,31 @@ def run_pass(mode: str, model: Path, args: argparse.Namespace) -> dict[str, dict
     results: dict[str, dict[str, float]] = {}
     for salt in ("warm-up", "measured"):
         for workload in WORKLOADS:
-            max_tokens = 1 if workload == "prefill" else args.decode_tokens
             step.times.clear()
             if apply is not None:
                 apply.times.clear()
-            batch = prompts(workload, args, f"{salt}/{workload}")
-            llm.generate(batch, SamplingParams(max_tokens=max_tokens), use_tqdm=False)
-            if workload == "prefill":
-                # Again, asking for the prompt rows: the hits are read from the store.
-                again = SamplingParams(max_tokens=1, extra_args=ask)
-                outputs = llm.generate(batch, again, use_tqdm=False)
-                if ask is not None:
-                    from omnicache.integrations.vllm.results import take_prompt_hidden_states
+            kind = "decode" if workload == "decode" else "prefill"
+            # NOTE: the rows pass sends the prefill pass's prompts again.
+            batch = prompts(kind, args, f"{salt}/{kind}")
+            if workload == "decode":
+                params = SamplingParams(max_tokens=args.decode_tokens)
+            else:
+                extra = ask if workload == "rows" else None
+                params = SamplingParams(max_tokens=1, extra_args=extra)
+            outputs = llm.generate(batch, params, use_tqdm=False)
+            if workload == "rows" and ask is not None:
+                from omnicache.integrations.vllm.results import take_prompt_hidden_states
 
-                    states = take_prompt_hidden_states(llm, outputs)
-                    assert all(s is not None and s.shape[0] == 480 for s in states)
+                states = take_prompt_hidden_states(llm, outputs)
+                assert all(s is not None and s.shape[0] == 480 for s in states)
+            if workload == "rows":
+                assert all(o.num_cached_tokens == 479 // BLOCK_SIZE * BLOCK_SIZE for o in outputs)
             step_s = statistics.median(step.times)
             apply_s = statistics.median(apply.times) if apply is not None else 0.0
-            results[workload] = {"step ms": 1e3 * step_s, "store ms": 1e3 * apply_s}
+            # NOTE: the share is of the totals: a step that writes deferred
+            # rows (one in up to 32 decode steps) counts in full.
+            share = sum(apply.times) / sum(step.times) if apply is not None else 0.0
+            results[workload] = {"step ms": 1e3 * step_s, "store ms": 1e3 * apply_s, "share": share}
     llm.llm_engine.engine_core.shutdown()
     return results
 
@@ -136,9 +148,9 @@ def main() -> None:
                 passes[mode].append(run_pass(mode, model, args))
 
     print(
-        f"\nhidden {args.hidden}, float32; prefill: {args.prefill_requests} x 480 tokens (then "
-        f"again, asking for prompt rows); decode: 4 x 64 tokens + {args.decode_tokens} new; "
-        f"median step, median of {args.repeats} passes"
+        f"\nhidden {args.hidden}, float32; prefill: {args.prefill_requests} x 480 tokens; rows: "
+        f"the same again, asking for their prompt rows (hits); decode: 4 x 64 tokens + "
+        f"{args.decode_tokens} new; median step, median of {args.repeats} passes"
     )
     header = f"{'':<16}" + "".join(
         f"{w + ' step ms':>20}{'store ms':>10}{'share':>8}{'/ vLLM':>8}" for w in WORKLOADS
@@ -146,7 +158,10 @@ def main() -> None:
     print(header)
     rows = {
         mode: {
-            w: {k: statistics.median(p[w][k] for p in runs) for k in ("step ms", "store ms")}
+            w: {
+                k: statistics.median(p[w][k] for p in runs)
+                for k in ("step ms", "store ms", "share")
+            }
             for w in WORKLOADS
         }
         for mode, runs in passes.items()
@@ -155,7 +170,7 @@ def main() -> None:
         cells = []
         for w in WORKLOADS:
             step_ms, store_ms = row[w]["step ms"], row[w]["store ms"]
-            share = f"{100 * store_ms / step_ms:.1f}%" if store_ms else "-"
+            share = f"{100 * row[w]['share']:.2f}%" if store_ms else "-"
             ratio = step_ms / rows["vLLM"][w]["step ms"]
             cells.append(f"{step_ms:>20.3f}{store_ms:>10.3f}{share:>8}{ratio:>7.3f}x")
         print(f"{mode:<16}" + "".join(cells))

@@ -363,3 +363,75 @@ def test_a_follower_keeps_the_first_ranks_stamps_without_its_rows_and_scores_its
     # A follower's store needs the first rank's rows: without a share it is refused.
     with pytest.raises(ValueError, match=r"a follower's store \(one byte a row\) expected with a"):
         LiveStore(follower_store(8, BS), max_results=8, keeps_results=False)
+
+
+def decode_step(tokens: dict[str, tuple[int, int]], keys: dict[int, BlockHash]) -> StepPlan:
+    """A decode step: per request, (position, block) of its one new token."""
+    requests = tuple(PlannedRequest(r, pos, 1, (block,)) for r, (pos, block) in tokens.items())
+    return StepPlan(caching=True, requests=requests, block_keys=keys)
+
+
+def test_decode_steps_write_their_rows_before_anything_reads_the_store() -> None:
+    from omnicache.integrations.vllm.worker import MAX_DEFERRED_STEPS
+
+    live = LiveStore(
+        TensorStore(64, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32), max_results=8
+    )
+    # "a" decodes positions 4..7 into block 2 (completing it), "b" 0..3 into block 3.
+    stamped: dict[int, BlockHash] = {}
+    for step in range(BS):
+        plan = decode_step(
+            {"a": (4 + step, 2), "b": (step, 3)},
+            {2: K[2], 3: K[3]} if step == BS - 1 else {},
+        )
+        stamped.update(live.apply(plan, ["b", "a"], rows(10 * step, 2), slots_of(plan, ["b", "a"])))
+    # Nothing read the store yet: the rows wait, unwritten and unstamped.
+    assert stamped == {}
+    assert live.store.stamp_of(HIDDEN_STATES, 2) is None
+    assert live.stats.num_steps == BS and live.stats.num_rows_written == 0
+    # A step whose request hits block 2 writes them first, and reads them.
+    hit = StepPlan(
+        caching=True,
+        requests=(PlannedRequest("c", 4, 1, (5,), (2,), (K[2],)),),
+        prompt_requests={"c": 5},
+        result_keys={"c": "key-c"},
+    )
+    assert live.apply(hit, ["c"], rows(900, 1), slots_of(hit, ["c"])) == {2: K[2], 3: K[3]}
+    a_rows = torch.cat([rows(10 * step + 1, 1) for step in range(BS)])
+    (c_rows,) = live.take({"c": "key-c"}).values()
+    assert torch.equal(c_rows, torch.cat([a_rows, rows(900, 1)]))  # type: ignore[arg-type]
+    assert live.stats.num_stale_hit_blocks == 0
+    assert live.stats.num_rows_written == 2 * BS + 1
+    # Block 3 handed out again after deferred rows: they are written, then cleared.
+    plan = decode_step({"a": (8, 4)}, {})
+    live.apply(plan, ["a"], rows(0, 1), slots_of(plan, ["a"]))
+    assert live.store.filled_of(HIDDEN_STATES, 4) == 0
+    live.apply(StepPlan(caching=True, cleared_block_ids=(3,)))
+    assert live.store.filled_of(HIDDEN_STATES, 4) == 1
+    assert live.store.stamp_of(HIDDEN_STATES, 3) is None
+    # At most MAX_DEFERRED_STEPS wait; flush() writes the rest.
+    for step in range(MAX_DEFERRED_STEPS + 1):
+        plan = decode_step({"a": (9 + step, 2 + (9 + step) // BS)}, {})
+        live.apply(plan, ["a"], rows(step, 1), slots_of(plan, ["a"]))
+    assert live.stats.num_rows_written == 2 * BS + 1 + 1 + MAX_DEFERRED_STEPS
+    live.flush()
+    assert live.stats.num_rows_written == 2 * BS + 1 + 1 + MAX_DEFERRED_STEPS + 1
+
+
+def test_deferred_rows_at_slots_other_than_planned_stamp_nothing_of_their_step() -> None:
+    live = new_live()
+    good = decode_step({"a": (3, 1)}, {1: K[1]})
+    bad = decode_step({"b": (3, 2)}, {2: K[2]})
+    for step, plan in enumerate(decode_step({"a": (s, 1)}, {}) for s in range(3)):
+        live.apply(plan, ["a"], rows(step, 1), slots_of(plan, ["a"]))
+    for step, plan in enumerate(decode_step({"b": (s, 2)}, {}) for s in range(3)):
+        live.apply(plan, ["b"], rows(step, 1), slots_of(plan, ["b"]))
+    live.apply(good, ["a"], rows(3, 1), slots_of(good, ["a"]))
+    # Block 2's last row lands in block 6 instead: that step is written without keys.
+    live.apply(bad, ["b"], rows(3, 1), torch.tensor([6 * BS + 3]))
+    live.flush()
+    assert live.stats.num_slot_mismatches == 1
+    assert live.store.stamp_of(HIDDEN_STATES, 1) == K[1]
+    assert live.store.stamp_of(HIDDEN_STATES, 2) is None
+    assert live.store.filled_of(HIDDEN_STATES, 2) == 3
+    assert live.stats.num_rows_written == 8

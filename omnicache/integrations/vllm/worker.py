@@ -131,6 +131,7 @@ __all__ = [
     "FLUSH_METHOD",
     "FOLLOWER_DTYPE",
     "GPU_WORKER_CLS",
+    "MAX_DEFERRED_STEPS",
     "STATS_METHOD",
     "WORKER_CLS",
     "LiveStore",
@@ -147,6 +148,8 @@ __all__ = [
 STATS_METHOD = "omni_live_store_stats"
 FLUSH_METHOD = "omni_tier_flush"
 DEFAULT_MAX_PROMPT_RESULTS = 256
+MAX_DEFERRED_STEPS = 64
+"""The most decode steps whose rows wait to be written together (`LiveStore`)."""
 FOLLOWER_DTYPE = torch.uint8
 """A follower's store (`follower_store`) keeps one value of this type a row."""
 
@@ -322,6 +325,14 @@ class LiveStore:
             )
         self.share = share
         self._mark_rows = torch.zeros((0, 1), dtype=FOLLOWER_DTYPE)
+        # Decode steps whose rows wait to be written (`_stage`): their rows
+        # (in a buffer of the rows' device), slots and keys; and the blocks a
+        # write in `begin` stamped (saved to the tier by `apply`).
+        self._staged_rows: torch.Tensor | None = None
+        self._staged_slots: list[int] = []
+        self._staged_keys: dict[int, BlockHash] = {}
+        self._staged_steps = 0
+        self._flushed: dict[int, BlockHash] = {}
         self.store = store
         self.tier = tier
         self.scorer = scorer
@@ -348,6 +359,9 @@ class LiveStore:
         if self._begun is plan:
             return
         self._begun = plan
+        if self._staged_steps and self._decode_slots(plan) is None:
+            # NOTE: the deferred rows were written before anything this plan does.
+            self._flushed.update(self._write_pending())
         store = self.store
         if plan.reset:
             store.invalidate_all()
@@ -383,7 +397,21 @@ class LiveStore:
             errors.update(order.block_ids[num:])
         return errors
 
+    def flush(self) -> None:
+        """Writes the rows of staged decode steps now (stamping, and saving to the tier).
+
+        The store writes them itself before any step that reads, clears,
+        loads or finishes; this is for a caller between steps (counters,
+        the tier's flush, shutdown).
+        """
+        stamped = self._flushed
+        self._flushed = {}
+        stamped.update(self._write_pending())
+        if self.tier is not None:
+            self.tier.save(self.store, stamped)
+
     def close(self) -> None:
+        self.flush()
         if self.tier is not None:
             self.tier.close()
 
@@ -413,12 +441,26 @@ class LiveStore:
         """
         store = self.store
         self._stats.num_steps += 1
+        planned = None if hidden_states is None else self._decode_slots(plan)
+        if planned is not None and slot_mapping is not None and hidden_states is not None:
+            if self._stage(plan, planned, batch_order, hidden_states, slot_mapping):
+                # NOTE: `begin` has nothing to do for such a plan (`start_step` may follow).
+                self._begun = plan
+                if self._staged_steps < MAX_DEFERRED_STEPS:
+                    return {}
+                stamped = self._write_pending()
+                if self.tier is not None:
+                    self.tier.save(store, stamped)
+                return stamped
+            # Rows at other slots than planned: written now, after the staged ones.
+            self._flushed.update(self._write_pending())
         self.begin(plan)
-        batch: list[PlannedRequest] = []
-        stamped: dict[int, BlockHash] = {}
+        batch = []
+        stamped = self._flushed
+        self._flushed = {}
         if hidden_states is not None and plan.requests:
             batch = self._batch(plan, batch_order)
-            stamped = self._write(plan, batch, hidden_states, slot_mapping)
+            stamped.update(self._write(plan, batch, hidden_states, slot_mapping))
         if plan.invalidated_block_ids:
             store.invalidate(plan.invalidated_block_ids)
             for block_id in plan.invalidated_block_ids:
@@ -494,12 +536,112 @@ class LiveStore:
 
     def _batch(self, plan: StepPlan, batch_order: Sequence[str]) -> list[PlannedRequest]:
         by_id = {item.req_id: item for item in plan.requests}
-        if sorted(batch_order) != sorted(by_id):
+        batch = [by_id.get(req_id) for req_id in batch_order]
+        if len(batch) != len(by_id) or len(set(batch_order)) != len(by_id) or None in batch:
             raise RuntimeError(
                 f"step: expected rows of the planned requests {sorted(by_id)}, found rows of "
                 f"{sorted(batch_order)}"
             )
-        return [by_id[req_id] for req_id in batch_order]
+        return batch  # type: ignore[return-value]
+
+    def _decode_slots(self, plan: StepPlan) -> dict[str, int] | None:
+        """Each request's slot when the step's rows may wait to be written; None if they may not.
+
+        Such a step is a decode step that only writes: one new token a request,
+        in a planned block; no hit, no prompt gathered, nothing cleared, loaded,
+        invalidated or finished. It reads nothing of the store, and the next
+        step that does writes the waiting rows first (`begin`), so whatever
+        reads the store finds what writing every step at once would have
+        left. Their rows are written together, one write for up to
+        `MAX_DEFERRED_STEPS` steps.
+        """
+        if not (plan.caching and plan.requests) or (
+            plan.reset
+            or plan.cleared_block_ids
+            or plan.invalidated_block_ids
+            or plan.finished_req_ids
+            or plan.prompt_requests
+            or plan.loads
+        ):
+            return None
+        prompts, bs = self._prompts, self.store.block_size
+        slots: dict[str, int] = {}
+        for item in plan.requests:
+            if (
+                item.num_new != 1
+                or item.hit_block_ids
+                or not item.block_ids
+                or item.req_id in prompts
+            ):
+                return None
+            slots[item.req_id] = item.block_ids[0] * bs + item.start % bs
+        return slots
+
+    def _stage(
+        self,
+        plan: StepPlan,
+        planned: dict[str, int],
+        batch_order: Sequence[str],
+        hidden_states: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> bool:
+        """Keeps a decode step's rows until they are written; False if it cannot.
+
+        ``planned``: each request's slot (`_decode_slots`). A step whose rows
+        are not at those slots is not kept: it is written at once (without
+        keys), after the kept ones.
+        """
+        num = len(planned)
+        if len(batch_order) != num:
+            return False
+        # NOTE: a list of a few ints; on a GPU this waits for the step (as
+        # `_write` does): the slots the forward pass used are on the device.
+        slots: list[int] = slot_mapping[:num].tolist()
+        if [planned.get(req_id) for req_id in batch_order] != slots:
+            return False
+        if self.keeps_rows:
+            staged = self._staged_rows
+            count = len(self._staged_slots)
+            if staged is None or len(staged) < count + num:
+                if count:
+                    self._flushed.update(self._write_pending())
+                    count = 0
+                if staged is None or len(staged) < num:
+                    staged = torch.empty(
+                        (max(num, 8) * MAX_DEFERRED_STEPS, hidden_states.shape[-1]),
+                        dtype=hidden_states.dtype,
+                        device=hidden_states.device,
+                    )
+                    self._staged_rows = staged
+            # NOTE: vLLM reuses its output buffer: the rows are copied now.
+            staged[count : count + num].copy_(hidden_states[:num])
+        self._staged_slots.extend(slots)
+        self._staged_keys.update(plan.block_keys)
+        self._staged_steps += 1
+        return True
+
+    def _write_pending(self) -> dict[int, BlockHash]:
+        """Writes the staged decode steps' rows, in one write."""
+        if not self._staged_steps:
+            return {}
+        slots = np.array(self._staged_slots, dtype=np.int64)
+        keys = self._staged_keys
+        self._staged_slots, self._staged_keys, self._staged_steps = [], {}, 0
+        num = len(slots)
+        # NOTE: in slot order, each block's rows are one run (the store copies
+        # a run at once); no slot repeats (decode steps only append).
+        order = np.argsort(slots, kind="stable")
+        if self.keeps_rows:
+            assert self._staged_rows is not None
+            staged = self._staged_rows[:num]
+            rows = staged[torch.from_numpy(order).to(staged.device)]
+        else:
+            rows = self._marks(num)
+        result = self.store.write(
+            HIDDEN_STATES, rows, slots[order], block_keys=keys, num_tokens=num
+        )
+        self._stats.num_rows_written += num
+        return {block_id: keys[block_id] for block_id in result.stamped_block_ids}
 
     def _write(
         self,
@@ -1036,6 +1178,7 @@ class OmniWorkerMixin:
         live = self.omni_store
         if live is None:
             return {}
+        live.flush()
         stats: dict[str, int | float] = asdict(live.stats)
         stats.update({f"store_{k}": v for k, v in asdict(live.store.stats).items()})
         stats["store_nbytes"] = live.store.nbytes
@@ -1048,7 +1191,10 @@ class OmniWorkerMixin:
     def omni_tier_flush(self, timeout_s: float = 30.0) -> bool:
         """Waits until every block saved to the tier is written; False without a tier or in time."""
         live = self.omni_store
-        return live is not None and live.tier is not None and live.tier.flush(timeout_s)
+        if live is None or live.tier is None:
+            return False
+        live.flush()
+        return live.tier.flush(timeout_s)
 
 
 def _share_from_first_rank(rows: torch.Tensor) -> torch.Tensor:
