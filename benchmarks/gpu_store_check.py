@@ -7,7 +7,12 @@ Checks every store configuration this machine has:
   pinned<-cuda      pinned CPU store fed from CUDA tensors (non_blocking copies,
                     one event per write)
 Every check compares exactly (torch.equal, or bit patterns) against the rows
-that were written; any mismatch is printed and the script exits 1. Then it
+that were written; any mismatch is printed and the script exits 1. The
+configurations with the store on the CPU also drive the worker's
+`LiveStore` as the worker does (rows and slot mappings on the model's
+device: a prefill, decode steps staged and written together, a hit asking
+for its rows), and on CUDA a timing shows whether a decode step's store
+work waits for the forward pass (CUDA events). Then it
 prints write and merged-read bandwidth for the 8192 x 4096 bf16 workload on
 the fastest device here, next to a plain copy_ and the reference approach
 (flat[slots] = hs; cache[block_ids].reshape then torch.cat), each variant
@@ -47,6 +52,8 @@ import torch
 
 from omnicache.block_hash import BlockHash
 from omnicache.block_pool import BlockPool
+from omnicache.integrations.vllm.live_store import LiveStore
+from omnicache.integrations.vllm.plan import PlannedRequest, StepPlan
 from omnicache.store import (
     HIDDEN_STATES,
     ReadMiss,
@@ -208,6 +215,87 @@ def check_config(cfg: Config, tokens: int, hidden: int, bs: int, chk: Checker) -
     print(f"  {label}: ok so far ({chk.num_checks} checks, {len(chk.failures)} mismatches)")
 
 
+# -- the worker's store: capture and staging ------------------------------------------
+
+
+def check_live_store(cfg: Config, hidden: int, bs: int, chk: Checker) -> None:
+    """`LiveStore` as the worker drives it: rows and slots from the model's device, the
+    store on the CPU; a prefill, staged decode steps, then a hit asking for its rows."""
+    dev, dtype = cfg.source_device, torch.bfloat16
+    gen = torch.Generator().manual_seed(2)
+    live = LiveStore(TensorStore(64, bs, hidden_size=hidden, hidden_dtype=dtype), max_results=8)
+    label = f"live store, rows on {dev}"
+    prompt = 3 * bs  # "a": 3 full blocks, then decode steps filling block 4
+    a_blocks = (1, 2, 3, 4)
+    rows = torch.randn(prompt + bs, hidden, generator=gen).to(dtype)
+    keys = {b: key(b + 5000) for b in a_blocks}
+    first = StepPlan(
+        caching=True,
+        requests=(PlannedRequest("a", 0, prompt, a_blocks[:3]),),
+        block_keys={b: keys[b] for b in a_blocks[:3]},
+    )
+    live.apply(first, ["a"], rows[:prompt].to(dev), slots_of(list(a_blocks[:3]), bs).to(dev))
+    for pos in range(prompt, prompt + bs):  # decode steps: staged, then written together
+        step = StepPlan(
+            caching=True,
+            requests=(PlannedRequest("a", pos, 1, (4,)),),
+            block_keys={4: keys[4]} if pos == prompt + bs - 1 else {},
+        )
+        live.apply(
+            step, ["a"], rows[pos : pos + 1].to(dev), torch.tensor([4 * bs + pos % bs]).to(dev)
+        )
+    chk.expect(live.store.stamp_of(HIDDEN_STATES, 4) is None, f"{label}: decode rows staged")
+    hit = StepPlan(
+        caching=True,
+        requests=(
+            PlannedRequest("b", 4 * bs, 1, (9,), a_blocks, tuple(keys[b] for b in a_blocks)),
+        ),
+        prompt_requests={"b": 4 * bs + 1},
+        result_keys={"b": "key-b"},
+    )
+    new_row = torch.randn(1, hidden, generator=gen).to(dtype)
+    live.apply(hit, ["b"], new_row.to(dev), torch.tensor([9 * bs]).to(dev))
+    (got,) = live.take({"b": "key-b"}).values()
+    assert isinstance(got, torch.Tensor)
+    chk.equal(got, torch.cat([rows, new_row]), f"{label}: hit rows (stored, staged, new)")
+    stats = live.stats
+    chk.expect(
+        (stats.num_stale_hit_blocks, stats.num_slot_mismatches, stats.num_rows_written)
+        == (0, 0, prompt + bs + 1),
+        f"{label}: counters {stats}",
+    )
+
+
+def live_store_timing(hidden: int, bs: int, reps: int) -> None:
+    """Whether a decode step's store work waits for the GPU: a matmul stands for the forward
+    pass, `LiveStore.apply` follows on the host; CUDA events time both."""
+    dev, dtype = "cuda", torch.bfloat16
+    live = LiveStore(TensorStore(4096, bs, hidden_size=hidden, hidden_dtype=dtype), max_results=8)
+    weight = torch.randn(hidden, hidden, device=dev, dtype=dtype)
+    x = torch.randn(8192, hidden, device=dev, dtype=dtype)
+    host_ms: list[float] = []
+    gpu_ms: list[float] = []
+    for step in range(reps * 16):
+        pos, block = step % bs, 2 + step // bs
+        plan = StepPlan(caching=True, requests=(PlannedRequest("a", 64 + step, 1, (block,)),))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = x @ weight  # the step's forward pass
+        end.record()
+        slot = torch.tensor([block * bs + pos], device=dev)
+        began = time.perf_counter()
+        live.apply(plan, ["a"], out[:1], slot)
+        host_ms.append(1e3 * (time.perf_counter() - began))
+        end.synchronize()
+        gpu_ms.append(start.elapsed_time(end))
+    print(
+        f"\nlive store, decode step on cuda (a {8192} x {hidden} matmul as the forward pass): "
+        f"apply on the host {statistics.median(host_ms):.3f} ms (median), forward "
+        f"{statistics.median(gpu_ms):.3f} ms; apply waited for the forward pass if its time "
+        "is near the forward's"
+    )
+
+
 # -- bandwidth -------------------------------------------------------------------
 
 
@@ -337,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"checking {cfg.name}", flush=True)
         try:
             check_config(cfg, args.tokens, args.hidden, args.block_size, chk)
+            if cfg.store_device == "cpu":  # the worker's store is on the CPU
+                check_live_store(cfg, args.hidden, args.block_size, chk)
         except Exception:  # report it and keep checking the other configurations
             traceback.print_exc()
             chk.failures.append(f"{cfg.name}: raised")
@@ -345,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         if cuda and cfg.name == "cpu":
             continue
         bandwidth(cfg, args.tokens, args.hidden, args.block_size, args.reps)
+    if cuda:
+        live_store_timing(args.hidden, args.block_size, args.reps)
     if chk.failures or rc:
         print("FAILED:", "; ".join(chk.failures) or f"pytest exit {rc}")
         return 1

@@ -31,7 +31,7 @@ from omnicache.store import HIDDEN_STATES, TensorStore
 # NOTE: the worker's module imports vLLM (it is the worker's room); its store needs no engine.
 pytestmark = pytest.mark.skipif(VLLM_MISSING is not None, reason=VLLM_MISSING or "")
 if VLLM_MISSING is None:
-    from omnicache.integrations.vllm.worker import LiveStore, follower_store
+    from omnicache.integrations.vllm.live_store import LiveStore, follower_store
 
 if TYPE_CHECKING:
     from redis_server import RedisServer

@@ -1,4 +1,4 @@
-"""LiveStore: a worker's store applied step by step from StepPlans (vLLM importable, no engine)."""
+"""LiveStore: a worker's store applied step by step from StepPlans (no engine, no vLLM)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 import torch
-from test_vllm_integration import VLLM_MISSING
 
 from omnicache.block_hash import BlockHash
+from omnicache.integrations.vllm.live_store import LiveStore, ScoredPrompt
 from omnicache.integrations.vllm.plan import (
     PlannedRequest,
     StepPlan,
@@ -17,11 +17,6 @@ from omnicache.integrations.vllm.plan import (
     planned_slots,
 )
 from omnicache.store import HIDDEN_STATES, TensorStore
-
-# NOTE: the worker's module imports vLLM (it is the worker's room); its store needs no engine.
-pytestmark = pytest.mark.skipif(VLLM_MISSING is not None, reason=VLLM_MISSING or "")
-if VLLM_MISSING is None:
-    from omnicache.integrations.vllm.worker import LiveStore, ScoredPrompt
 
 BS = 4  # tokens per block
 HIDDEN = 3
@@ -301,7 +296,7 @@ def test_the_scorer_gets_each_verified_hit_s_rows_once_and_none_for_a_stale_hit(
 
 
 def test_a_follower_keeps_the_first_ranks_stamps_without_its_rows_and_scores_its_rows() -> None:
-    from omnicache.integrations.vllm.worker import follower_store
+    from omnicache.integrations.vllm.live_store import follower_store
 
     shared: list[torch.Tensor] = []
 
@@ -372,7 +367,7 @@ def decode_step(tokens: dict[str, tuple[int, int]], keys: dict[int, BlockHash]) 
 
 
 def test_decode_steps_write_their_rows_before_anything_reads_the_store() -> None:
-    from omnicache.integrations.vllm.worker import MAX_DEFERRED_STEPS
+    from omnicache.integrations.vllm.live_store import MAX_DEFERRED_STEPS
 
     live = LiveStore(
         TensorStore(64, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32), max_results=8

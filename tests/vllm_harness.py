@@ -49,7 +49,7 @@ class EngineHarness:
         max_results: int = 64,
     ) -> None:
         # NOTE: the worker's module imports vLLM; this module must import without it.
-        from omnicache.integrations.vllm.worker import LiveStore
+        from omnicache.integrations.vllm.live_store import LiveStore
 
         self.manager = manager
         self.rows = rows

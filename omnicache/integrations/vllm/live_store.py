@@ -1,0 +1,704 @@
+"""`LiveStore`: a worker's store of hidden states, kept in step with the scheduler's plans.
+
+The worker side the connector hands each step's plan to (`plan.WorkerSide`);
+the vLLM worker (`omnicache.integrations.vllm.worker`) builds it once the KV
+cache is allocated and applies each step's rows to it right after the
+forward pass. It needs torch and the plan, not vLLM: the GPU check runs it
+with torch alone.
+
+How `LiveStore` applies a step's plan, in the plan's order:
+
+1. ``reset`` and ``cleared_block_ids``: stamps of blocks vLLM handed out again;
+2. ``loads``: blocks filled from the tier (KV and rows, stamped), of
+   requests vLLM holds back until the load is done: a load stops at the first
+   block gone or damaged, and vLLM recomputes the request from there;
+3. the step's rows, written at the forward pass's own slot mapping (the KV
+   cache's slots), stamped with the plan's keys when the slots are those the
+   scheduler planned (otherwise written without keys: nothing stamped);
+4. ``invalidated_block_ids``;
+5. every prefix hit that starts in this step is *verified*: a hit block not
+   stamped with its key counts as stale (`LiveStoreStats.num_stale_hit_blocks`)
+   and is never served; requests that asked for their prompt's hidden states
+   get the hit blocks' rows from the store and the rest from the step's rows;
+   requests that asked for prompt logprobs get those of the hit's positions
+   computed from the hit's rows, and requests that asked for per-token
+   embeddings the hit's rows (`PromptOutputs`), before vLLM's model runner
+   computes the rest when it samples or pools the step.
+
+Writes come before reads because vLLM caches a block as soon as it is
+allocated: a request scheduled in the same step as the one computing a block
+can hit it, and its rows exist once the step's rows are written.
+
+Writes come before reads because vLLM caches a block as soon as it is
+allocated: a request scheduled in the same step as the one computing a block
+can hit it, and its rows exist once the step's rows are written.
+
+A decode step that only writes keeps its rows in a staging buffer (checked
+against the plan's slots) until a step that reads, clears, loads or
+finishes anything, or `MAX_DEFERRED_STEPS` of them: then they are written
+first, in one write, so whatever reads the store finds what writing each
+step would have left.
+
+Under tensor parallelism, ranks but the first keep a follower's store
+(`follower_store`): the same stamps, one byte a row.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple, Protocol
+
+import numpy as np
+import torch
+
+from omnicache.block_hash import BlockHash
+from omnicache.checks import check_int, check_str, type_name
+from omnicache.integrations.vllm.common import CONNECTOR_NAME
+from omnicache.integrations.vllm.plan import PlannedRequest, StepPlan, planned_slots
+from omnicache.integrations.vllm.tier import WorkerTier
+from omnicache.store import HIDDEN_STATES, TensorStore
+
+__all__ = [
+    "FOLLOWER_DTYPE",
+    "MAX_DEFERRED_STEPS",
+    "LiveStore",
+    "LiveStoreStats",
+    "PromptScorer",
+    "ScoredPrompt",
+    "follower_store",
+]
+
+MAX_DEFERRED_STEPS = 64
+"""The most decode steps whose rows wait to be written together (`LiveStore`)."""
+FOLLOWER_DTYPE = torch.uint8
+"""A follower's store (`follower_store`) keeps one value of this type a row."""
+
+_LOG = logging.getLogger(__name__)
+
+
+# -- the store of a step's plans ------------------------------------------------------
+
+
+@dataclass(slots=True)
+class LiveStoreStats:
+    """Counters of a `LiveStore` since construction (``num_pending_results``: now)."""
+
+    num_steps: int = 0
+    # Blocks whose stamps the plans cleared (vLLM handed them out again).
+    num_cleared_blocks: int = 0
+    num_rows_written: int = 0
+    # Prefix hits verified, and their blocks.
+    num_hit_requests: int = 0
+    num_hit_blocks: int = 0
+    # Hit blocks whose rows did not hold their key: never served.
+    num_stale_hit_blocks: int = 0
+    # Steps whose slot mapping differed from the scheduler's plan.
+    num_slot_mismatches: int = 0
+    num_prompt_results: int = 0
+    num_prompt_failures: int = 0
+    # Requests whose hit positions got their outputs from the store (prompt
+    # logprobs, per-token embeddings), those positions, and hits that could
+    # not be read (their outputs NaN).
+    num_scored_requests: int = 0
+    num_scored_tokens: int = 0
+    num_score_failures: int = 0
+    num_results_dropped: int = 0
+    num_incomplete_dropped: int = 0
+    num_pending_results: int = 0
+
+
+@dataclass(slots=True)
+class _Prompt:
+    """The rows one request asked for, gathered chunk by chunk."""
+
+    # Its prompt's tokens; None: every position, until the request finishes.
+    num_tokens: int | None
+    # The secret that takes the result (`connector.OmniStoreConnector`'s).
+    key: str
+    # (first position, rows), in position order.
+    chunks: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+    def add(self, start: int, rows: torch.Tensor) -> torch.Tensor | None:
+        """Adds rows from position ``start``; returns the whole prompt once complete.
+
+        A chunk replaces every chunk from its start on: a request recomputed
+        after preemption starts over. A request of every position is never
+        complete here: it ends when it finishes (`rows`).
+        """
+        self.chunks = [chunk for chunk in self.chunks if chunk[0] < start]
+        if self.num_tokens is None:
+            self.chunks.append((start, rows))
+            return None
+        self.chunks.append((start, rows[: self.num_tokens - start]))
+        return self.rows(self.num_tokens)
+
+    def rows(self, num_rows: int | None = None) -> torch.Tensor | None:
+        """The first ``num_rows`` rows (None: all gathered); None while they have a gap."""
+        position = 0
+        for first, part in self.chunks:
+            if first != position:
+                return None
+            position += len(part)
+        if num_rows is not None and position < num_rows:
+            return None
+        if not self.chunks:
+            return None
+        return torch.cat([part for _, part in self.chunks])[:num_rows]
+
+
+def _nbytes(rows: torch.Tensor) -> int:
+    return rows.numel() * rows.element_size()
+
+
+class ScoredPrompt(NamedTuple):
+    """A request whose hit positions are scored in a step (see `PromptScorer`)."""
+
+    req_id: str
+    # The hit's tokens: its first positions.
+    num_tokens: int
+    # The hit's blocks, as indices into the step's rows of hit blocks; None
+    # when the hit's rows could not be read (a block lost its key).
+    blocks: tuple[int, ...] | None
+
+
+class PromptScorer(Protocol):
+    """What scores hits' prompt positions from their stored rows (`PromptOutputs`)."""
+
+    def wants(self, req_id: str) -> bool:
+        """Whether the request's prompt positions are scored (prompt logprobs or embeddings)."""
+        ...
+
+    def score(self, rows: torch.Tensor, block_size: int, prompts: Sequence[ScoredPrompt]) -> None:
+        """Scores each prompt's first positions from the step's ``rows`` of hit blocks.
+
+        Args:
+            rows: ``(num_blocks * block_size, hidden)``: each hit block of the
+                step once, in the order the prompts' ``blocks`` index.
+            block_size: tokens per block.
+            prompts: the requests, each position ``p`` of one from row
+                ``blocks[p // block_size] * block_size + p % block_size``; one
+                without blocks gets no value that could pass for one.
+        """
+        ...
+
+
+def follower_store(num_blocks: int, block_size: int) -> TensorStore:
+    """The store of a tensor-parallel rank but the first: the same stamps, one byte a row.
+
+    Every rank applies the same plan to the same slots, so a follower's
+    stamps equal the first rank's: it verifies the same hits and stamps the
+    same blocks for the tier, keeping none of the rows (the first rank's
+    store keeps them, and shares a scored hit's rows: `LiveStore`'s ``share``).
+    """
+    return TensorStore(num_blocks, block_size, hidden_size=1, hidden_dtype=FOLLOWER_DTYPE)
+
+
+class LiveStore:
+    """A worker's store of hidden states, kept in step with the scheduler's plans.
+
+    The connector's worker side (`plan.WorkerSide`): `start_step` before the
+    forward pass, then `apply` after it (see the module for the order).
+
+    Args:
+        store: a store with the KV cache's number of blocks and block size,
+            and a `HIDDEN_STATES` entry.
+        max_results: prompt results kept until taken.
+        tier: the tier blocks are loaded from and saved to (None: none).
+        scorer: gives the hit positions of requests that ask for prompt
+            logprobs or per-token embeddings their outputs, from the hit's
+            rows (None: none asks).
+        share: under tensor parallelism, the rank group's broadcast from the
+            first rank (`LiveStore` on it keeps the rows; on the others, a
+            follower's store keeps one byte a row: the same stamps, no rows).
+            A step whose hits are scored hands every rank the first rank's
+            hit rows through it, since vLLM's vocabulary-parallel LM head
+            scores them on every rank. None: one rank.
+        keeps_results: whether this store gathers the prompt results callers
+            take (only the first rank's does under tensor parallelism: its
+            results are the ones taken).
+    """
+
+    def __init__(
+        self,
+        store: TensorStore,
+        *,
+        max_results: int,
+        tier: WorkerTier | None = None,
+        scorer: PromptScorer | None = None,
+        share: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        keeps_results: bool = True,
+    ) -> None:
+        if not isinstance(store, TensorStore):
+            raise TypeError(f"store: expected a TensorStore, found {type_name(store)}")
+        if HIDDEN_STATES not in store.entries:
+            raise ValueError(
+                f"store: expected an entry {HIDDEN_STATES!r}, found {sorted(store.entries)}"
+            )
+        self.keeps_rows = store.entries[HIDDEN_STATES].dtype != FOLLOWER_DTYPE
+        if not self.keeps_rows and (share is None or keeps_results):
+            raise ValueError(
+                "store: a follower's store (one byte a row) expected with a share and without "
+                f"results, found share={share!r}, keeps_results={keeps_results!r}"
+            )
+        self.share = share
+        self._mark_rows = torch.zeros((0, 1), dtype=FOLLOWER_DTYPE)
+        # Decode steps whose rows wait to be written (`_stage`): their rows
+        # (in a buffer of the rows' device), slots and keys; and the blocks a
+        # write in `begin` stamped (saved to the tier by `apply`).
+        self._staged_rows: torch.Tensor | None = None
+        self._staged_slots: list[int] = []
+        self._staged_keys: dict[int, BlockHash] = {}
+        self._staged_steps = 0
+        self._flushed: dict[int, BlockHash] = {}
+        self.store = store
+        self.tier = tier
+        self.scorer = scorer
+        self.max_results = check_int("max_results", max_results, minimum=1)
+        self.keeps_results = keeps_results
+        self._prompts: dict[str, _Prompt] = {}
+        # Request id -> (its key, its rows or None).
+        self._results: OrderedDict[str, tuple[str, torch.Tensor | None]] = OrderedDict()
+        self._stats = LiveStoreStats()
+        self._begun: StepPlan | None = None
+
+    @property
+    def stats(self) -> LiveStoreStats:
+        """A snapshot of the counters."""
+        return replace(self._stats, num_pending_results=len(self._results))
+
+    def begin(self, plan: StepPlan) -> None:
+        """Applies the start of a step's plan: cleared stamps, new prompt requests.
+
+        Once per plan: `start_step` and `apply` both begin the step, in either
+        order (vLLM starts a step's loads after its forward pass, which is
+        where the store applies the step).
+        """
+        if self._begun is plan:
+            return
+        self._begun = plan
+        if self._staged_steps and self._decode_slots(plan) is None:
+            # NOTE: the deferred rows were written before anything this plan does.
+            self._flushed.update(self._write_pending())
+        store = self.store
+        if plan.reset:
+            store.invalidate_all()
+        if plan.cleared_block_ids:
+            store.invalidate(plan.cleared_block_ids)
+            self._stats.num_cleared_blocks += len(plan.cleared_block_ids)
+        if not self.keeps_results:
+            return
+        for req_id, num_tokens in plan.prompt_requests.items():
+            every = req_id in plan.sequence_requests
+            self._prompts[req_id] = _Prompt(None if every else num_tokens, plan.result_keys[req_id])
+
+    def start_step(self, plan: StepPlan) -> set[int]:
+        """`begin`, then the plan's tier loads (of waiting requests, none in this step).
+
+        Returns:
+            The blocks vLLM must take as not loaded: in each load, those from
+            the first block that did not verify on (vLLM recomputes its
+            request from there under ``kv_load_failure_policy="recompute"``).
+        """
+        # NOTE: cleared stamps first: a block handed out again and filled now
+        # must keep the stamp its load gives it.
+        self.begin(plan)
+        if not plan.loads:
+            return set()
+        if self.tier is None:
+            raise RuntimeError(
+                f"{CONNECTOR_NAME}: a step orders tier loads, found no tier in the worker"
+            )
+        errors: set[int] = set()
+        for order in plan.loads:
+            num = self.tier.load(self.store, order)
+            errors.update(order.block_ids[num:])
+        return errors
+
+    def flush(self) -> None:
+        """Writes the rows of staged decode steps now (stamping, and saving to the tier).
+
+        The store writes them itself before any step that reads, clears,
+        loads or finishes; this is for a caller between steps (counters,
+        the tier's flush, shutdown).
+        """
+        stamped = self._flushed
+        self._flushed = {}
+        stamped.update(self._write_pending())
+        if self.tier is not None:
+            self.tier.save(self.store, stamped)
+
+    def close(self) -> None:
+        self.flush()
+        if self.tier is not None:
+            self.tier.close()
+
+    def apply(
+        self,
+        plan: StepPlan,
+        batch_order: Sequence[str] = (),
+        hidden_states: torch.Tensor | None = None,
+        slot_mapping: torch.Tensor | None = None,
+    ) -> dict[int, BlockHash]:
+        """Applies one step: its plan, and the rows the model produced for it.
+
+        Args:
+            plan: the scheduler's plan of the step.
+            batch_order: the step's request ids in the order of the rows.
+            hidden_states: ``(>= num scheduled tokens, hidden)`` rows (None:
+                no forward pass this step).
+            slot_mapping: the forward pass's slot of each row (padding after
+                the scheduled tokens).
+
+        Returns:
+            Block id -> key of the blocks the step's rows stamped (saved to
+            the tier, with one).
+
+        Raises:
+            RuntimeError: the rows' requests are not the plan's.
+        """
+        store = self.store
+        self._stats.num_steps += 1
+        planned = None if hidden_states is None else self._decode_slots(plan)
+        if planned is not None and slot_mapping is not None and hidden_states is not None:
+            if self._stage(plan, planned, batch_order, hidden_states, slot_mapping):
+                # NOTE: `begin` has nothing to do for such a plan (`start_step` may follow).
+                self._begun = plan
+                if self._staged_steps < MAX_DEFERRED_STEPS:
+                    return {}
+                stamped = self._write_pending()
+                if self.tier is not None:
+                    self.tier.save(store, stamped)
+                return stamped
+            # Rows at other slots than planned: written now, after the staged ones.
+            self._flushed.update(self._write_pending())
+        self.begin(plan)
+        batch = []
+        stamped = self._flushed
+        self._flushed = {}
+        if hidden_states is not None and plan.requests:
+            batch = self._batch(plan, batch_order)
+            stamped.update(self._write(plan, batch, hidden_states, slot_mapping))
+        if plan.invalidated_block_ids:
+            store.invalidate(plan.invalidated_block_ids)
+            for block_id in plan.invalidated_block_ids:
+                stamped.pop(block_id, None)
+        if batch and hidden_states is not None:
+            self._read(batch, hidden_states)
+        for req_id in plan.finished_req_ids:
+            prompt = self._prompts.get(req_id)
+            if prompt is not None and prompt.num_tokens is None:
+                self._finish(req_id, prompt.rows())
+            elif self._prompts.pop(req_id, None) is not None:
+                self._stats.num_incomplete_dropped += 1
+        if self.tier is not None:
+            self.tier.save(store, stamped)
+        return stamped
+
+    def take(
+        self,
+        requests: Mapping[str, str],
+        *,
+        max_bytes: int | None = None,
+        num_positions: Mapping[str, int] | None = None,
+    ) -> dict[str, torch.Tensor | int | None]:
+        """Removes and returns the results of requests, each given with its key.
+
+        Args:
+            requests: request id -> the key of its result (``kv_transfer_params``).
+            max_bytes: the largest result taken (None: any); a larger one is
+                left in place.
+            num_positions: request id -> its rows, for requests that asked for
+                every position (``omnicache_num_positions`` of its
+                ``kv_transfer_params``). Such a request's result is complete
+                when its caller sees it finish, before the engine's next step
+                tells the worker: with its count, it is taken then.
+
+        Returns:
+            Request id -> ``(num_rows, hidden)`` rows: the prompt's, or every
+            position's; None when its hit could not be read (stale), or when
+            it has fewer rows than its count; or, for a result over
+            ``max_bytes``, its size in bytes (not taken). Requests without a
+            result, or given another key, are left out.
+        """
+        counts = dict(num_positions or {})
+        for req_id, number in counts.items():
+            check_int(f"num_positions[{req_id!r}]", number, minimum=0)
+        found: dict[str, torch.Tensor | int | None] = {}
+        for req_id, key in requests.items():
+            check_str("request id", req_id)
+            check_str(f"requests[{req_id!r}]", key)
+            count = counts.get(req_id)
+            if req_id not in self._results:
+                prompt = self._prompts.get(req_id)
+                if (
+                    prompt is None
+                    or prompt.num_tokens is not None
+                    or count is None
+                    or not hmac.compare_digest(prompt.key.encode(), key.encode())
+                ):
+                    continue
+                self._finish(req_id, prompt.rows(count))
+            kept = self._results.get(req_id)
+            if kept is None or not hmac.compare_digest(kept[0].encode(), key.encode()):
+                continue
+            rows = kept[1]
+            if rows is not None and count is not None:
+                rows = rows[:count] if len(rows) >= count else None
+            if rows is not None and max_bytes is not None and _nbytes(rows) > max_bytes:
+                found[req_id] = _nbytes(rows)
+                continue
+            del self._results[req_id]
+            found[req_id] = rows
+        return found
+
+    def _batch(self, plan: StepPlan, batch_order: Sequence[str]) -> list[PlannedRequest]:
+        by_id = {item.req_id: item for item in plan.requests}
+        batch = [by_id.get(req_id) for req_id in batch_order]
+        if len(batch) != len(by_id) or len(set(batch_order)) != len(by_id) or None in batch:
+            raise RuntimeError(
+                f"step: expected rows of the planned requests {sorted(by_id)}, found rows of "
+                f"{sorted(batch_order)}"
+            )
+        return batch  # type: ignore[return-value]
+
+    def _decode_slots(self, plan: StepPlan) -> dict[str, int] | None:
+        """Each request's slot when the step's rows may wait to be written; None if they may not.
+
+        Such a step is a decode step that only writes: one new token a request,
+        in a planned block; no hit, no prompt gathered, nothing cleared, loaded,
+        invalidated or finished. It reads nothing of the store, and the next
+        step that does writes the waiting rows first (`begin`), so whatever
+        reads the store finds what writing every step at once would have
+        left. Their rows are written together, one write for up to
+        `MAX_DEFERRED_STEPS` steps.
+        """
+        if not (plan.caching and plan.requests) or (
+            plan.reset
+            or plan.cleared_block_ids
+            or plan.invalidated_block_ids
+            or plan.finished_req_ids
+            or plan.prompt_requests
+            or plan.loads
+        ):
+            return None
+        prompts, bs = self._prompts, self.store.block_size
+        slots: dict[str, int] = {}
+        for item in plan.requests:
+            if (
+                item.num_new != 1
+                or item.hit_block_ids
+                or not item.block_ids
+                or item.req_id in prompts
+            ):
+                return None
+            slots[item.req_id] = item.block_ids[0] * bs + item.start % bs
+        return slots
+
+    def _stage(
+        self,
+        plan: StepPlan,
+        planned: dict[str, int],
+        batch_order: Sequence[str],
+        hidden_states: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> bool:
+        """Keeps a decode step's rows until they are written; False if it cannot.
+
+        ``planned``: each request's slot (`_decode_slots`). A step whose rows
+        are not at those slots is not kept: it is written at once (without
+        keys), after the kept ones.
+        """
+        num = len(planned)
+        if len(batch_order) != num:
+            return False
+        # NOTE: a list of a few ints; on a GPU this waits for the step (as
+        # `_write` does): the slots the forward pass used are on the device.
+        slots: list[int] = slot_mapping[:num].tolist()
+        if [planned.get(req_id) for req_id in batch_order] != slots:
+            return False
+        if self.keeps_rows:
+            staged = self._staged_rows
+            count = len(self._staged_slots)
+            if staged is None or len(staged) < count + num:
+                if count:
+                    self._flushed.update(self._write_pending())
+                    count = 0
+                if staged is None or len(staged) < num:
+                    staged = torch.empty(
+                        (max(num, 8) * MAX_DEFERRED_STEPS, hidden_states.shape[-1]),
+                        dtype=hidden_states.dtype,
+                        device=hidden_states.device,
+                    )
+                    self._staged_rows = staged
+            # NOTE: vLLM reuses its output buffer: the rows are copied now.
+            staged[count : count + num].copy_(hidden_states[:num])
+        self._staged_slots.extend(slots)
+        self._staged_keys.update(plan.block_keys)
+        self._staged_steps += 1
+        return True
+
+    def _write_pending(self) -> dict[int, BlockHash]:
+        """Writes the staged decode steps' rows, in one write."""
+        if not self._staged_steps:
+            return {}
+        slots = np.array(self._staged_slots, dtype=np.int64)
+        keys = self._staged_keys
+        self._staged_slots, self._staged_keys, self._staged_steps = [], {}, 0
+        num = len(slots)
+        # NOTE: in slot order, each block's rows are one run (the store copies
+        # a run at once); no slot repeats (decode steps only append).
+        order = np.argsort(slots, kind="stable")
+        if self.keeps_rows:
+            assert self._staged_rows is not None
+            staged = self._staged_rows[:num]
+            rows = staged[torch.from_numpy(order).to(staged.device)]
+        else:
+            rows = self._marks(num)
+        result = self.store.write(
+            HIDDEN_STATES, rows, slots[order], block_keys=keys, num_tokens=num
+        )
+        self._stats.num_rows_written += num
+        return {block_id: keys[block_id] for block_id in result.stamped_block_ids}
+
+    def _write(
+        self,
+        plan: StepPlan,
+        batch: list[PlannedRequest],
+        hidden_states: torch.Tensor,
+        slot_mapping: torch.Tensor | None,
+    ) -> dict[int, BlockHash]:
+        if not plan.caching:
+            return {}
+        if slot_mapping is None:
+            raise RuntimeError("step: expected the forward pass's slot mapping, found none")
+        num_rows = sum(item.num_new for item in batch)
+        slots = slot_mapping[:num_rows].to("cpu", torch.int64).numpy()
+        planned = planned_slots(batch, self.store.block_size)
+        keys = dict(plan.block_keys)
+        if planned is None or not np.array_equal(planned, slots):
+            # NOTE: rows written without keys clear the stamps of every block
+            # they touch: the scheduler's mirror may then promise a hit the
+            # worker cannot serve, which the read check counts.
+            self._stats.num_slot_mismatches += 1
+            keys = {}
+        rows = hidden_states if self.keeps_rows else self._marks(num_rows)
+        result = self.store.write(HIDDEN_STATES, rows, slots, block_keys=keys, num_tokens=num_rows)
+        self._stats.num_rows_written += num_rows
+        return {block_id: keys[block_id] for block_id in result.stamped_block_ids}
+
+    def _marks(self, num_rows: int) -> torch.Tensor:
+        """A follower's rows: one byte each, stamps being what its store keeps."""
+        if len(self._mark_rows) < num_rows:
+            self._mark_rows = torch.zeros((num_rows, 1), dtype=FOLLOWER_DTYPE)
+        return self._mark_rows
+
+    def _read(self, batch: list[PlannedRequest], hidden_states: torch.Tensor) -> None:
+        """Verifies the step's hits; gathers prompt rows; scores hits' positions.
+
+        NOTE: the hit blocks of every request that needs their rows are read
+        once per step, however many requests share them (a harness sends many
+        prompts behind one long prefix).
+        """
+        offset = 0
+        scorer = self.scorer
+        # (request, its step rows, its hit verified, asks, scores) of those needing hit rows.
+        needs: list[tuple[PlannedRequest, torch.Tensor, bool, _Prompt | None, bool]] = []
+        for item in batch:
+            rows = hidden_states[offset : offset + item.num_new]
+            offset += item.num_new
+            verified = True
+            if item.hit_block_ids:
+                self._stats.num_hit_requests += 1
+                self._stats.num_hit_blocks += len(item.hit_block_ids)
+                valid = self.store.probe(item.hit_block_ids, item.hit_block_keys)
+                self._stats.num_stale_hit_blocks += len(item.hit_block_ids) - valid
+                verified = valid == len(item.hit_block_ids)
+            prompt = self._prompts.get(item.req_id)
+            limit = None if prompt is None else prompt.num_tokens
+            if limit is not None and item.start >= limit:
+                prompt = None
+            scores = bool(item.hit_block_ids) and scorer is not None and scorer.wants(item.req_id)
+            if prompt is not None and not item.hit_block_ids:
+                self._add(item.req_id, prompt, item.start, rows.clone())
+            elif prompt is not None or scores:
+                needs.append((item, rows, verified, prompt, scores))
+        if not needs:
+            return
+        # NOTE: the scored requests' blocks first: under tensor parallelism
+        # every rank scores them, from the rows the first rank shares.
+        index: dict[int, int] = {}
+        keys: list[BlockHash] = []
+        num_scored = 0
+        for scored_first in (True, False):
+            for item, _, verified, _, scores in needs:
+                if scores != scored_first or not verified:
+                    continue
+                for block_id, key in zip(item.hit_block_ids, item.hit_block_keys, strict=True):
+                    if block_id not in index:
+                        index[block_id] = len(index)
+                        keys.append(key)
+            if scored_first:
+                num_scored = len(index)
+        # NOTE: every block read belongs to a hit verified above: none is stale.
+        bs, hidden = self.store.block_size, hidden_states.shape[-1]
+        if not index:
+            hit_rows = hidden_states.new_empty(0, hidden)
+        elif self.keeps_rows:
+            hit_rows = self.store.read_blocks(HIDDEN_STATES, list(index), keys)
+        else:
+            # NOTE: a follower has no prompts: every block it needs is scored.
+            hit_rows = hidden_states.new_empty(len(index) * bs, hidden)
+        scored_rows = hit_rows
+        if self.share is not None and num_scored:
+            scored_rows = self.share(
+                hit_rows[: num_scored * bs].to(hidden_states.device).contiguous()
+            )
+        blocks = hit_rows.view(-1, bs, hidden)
+        scored: list[ScoredPrompt] = []
+        for item, rows, verified, prompt, scores in needs:
+            ids = tuple(index[block_id] for block_id in item.hit_block_ids) if verified else None
+            if prompt is not None:
+                if ids is None:
+                    self._finish(item.req_id, None)
+                else:
+                    hit = blocks[list(ids)].flatten(0, 1)
+                    self._add(item.req_id, prompt, 0, torch.cat([hit, rows]))
+            if scores:
+                scored.append(ScoredPrompt(item.req_id, item.start, ids))
+                self._count_scored(item, ids is not None)
+        if scored:
+            assert scorer is not None
+            scorer.score(scored_rows, bs, scored)
+
+    def _add(self, req_id: str, prompt: _Prompt, start: int, rows: torch.Tensor) -> None:
+        whole = prompt.add(start, rows)
+        if whole is not None:
+            self._finish(req_id, whole)
+
+    def _count_scored(self, item: PlannedRequest, read: bool) -> None:
+        if read:
+            self._stats.num_scored_requests += 1
+            self._stats.num_scored_tokens += item.start
+            return
+        self._stats.num_score_failures += 1
+        _LOG.warning(
+            "request %s: its prefix hit's rows could not be read; the outputs (prompt "
+            "logprobs, embeddings) of its first %d positions are NaN",
+            item.req_id,
+            item.start,
+        )
+
+    def _finish(self, req_id: str, rows: torch.Tensor | None) -> None:
+        prompt = self._prompts.pop(req_id)
+        if rows is None:
+            self._stats.num_prompt_failures += 1
+        else:
+            self._stats.num_prompt_results += 1
+        self._results[req_id] = (prompt.key, rows)
+        while len(self._results) > self.max_results:
+            self._results.popitem(last=False)
+            self._stats.num_results_dropped += 1
