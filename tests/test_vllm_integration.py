@@ -150,7 +150,12 @@ class Harness(EngineHarness):
         )
 
     def stamps(self, block_ids: list[int]) -> tuple[list[Any], list[Any]]:
-        """The keys the scheduler's table and the worker's store hold for ``block_ids``."""
+        """The keys the scheduler's table and the worker's store hold for ``block_ids``.
+
+        The store's as whatever reads it finds them: its staged decode rows
+        written first (as the next step that reads would write them).
+        """
+        self.live.flush()
         return (
             [self.mirror.table.stamps[b] for b in block_ids],
             [self.store.stamp_of("hidden_states", b) for b in block_ids],
@@ -810,6 +815,8 @@ def test_chunked_prefill_and_decode_stamp_blocks_as_they_fill() -> None:
         request.append_output_token_ids(token_id)
         assert h.wrapper.allocate_slots(request, 1) is not None
         h.step([(request, 1)])
+    # The decode steps' rows wait, staged, until something reads the store.
+    assert h.store.stamp_of("hidden_states", 4) is None
     assert h.stamps([4]) == ([request.block_hashes[3]],) * 2
     h.finish(request)
     follow_up = h.request(
