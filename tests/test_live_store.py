@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -430,3 +431,29 @@ def test_deferred_rows_at_slots_other_than_planned_stamp_nothing_of_their_step()
     assert live.store.stamp_of(HIDDEN_STATES, 2) is None
     assert live.store.filled_of(HIDDEN_STATES, 2) == 3
     assert live.stats.num_rows_written == 8
+
+
+def test_a_decode_step_that_clears_blocks_writes_the_staged_rows_only_if_it_clears_theirs() -> None:
+    live = LiveStore(
+        TensorStore(64, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32), max_results=8
+    )
+    live.store.write_blocks(HIDDEN_STATES, rows(0, BS), [9], block_keys=[K[5]])
+    live.store.write_blocks(HIDDEN_STATES, rows(0, BS), [10], block_keys=[K[6]])
+    first = decode_step({"a": (0, 2)}, {})
+    live.apply(first, ["a"], rows(1, 1), slots_of(first, ["a"]))
+    # Block 9 (old, stamped) handed out again: its stamp goes, "a"'s row stays staged.
+    clears = replace(decode_step({"a": (1, 2)}, {}), cleared_block_ids=(9,))
+    live.apply(clears, ["a"], rows(2, 1), slots_of(clears, ["a"]))
+    assert live.store.stamp_of(HIDDEN_STATES, 9) is None
+    assert live.store.stamp_of(HIDDEN_STATES, 10) == K[6]
+    assert live.stats.num_rows_written == 0 and live.store.filled_of(HIDDEN_STATES, 2) == 0
+    # Block 2, holding the staged rows, handed out again (its request preempted):
+    # they are written first, then its stamp and rows cleared, as step by step.
+    again = replace(decode_step({"b": (0, 10)}, {}), cleared_block_ids=(2, 10))
+    live.apply(again, ["b"], rows(3, 1), slots_of(again, ["b"]))
+    assert live.stats.num_rows_written == 2
+    assert live.store.filled_of(HIDDEN_STATES, 2) == 0
+    assert live.store.stamp_of(HIDDEN_STATES, 10) is None
+    live.flush()
+    assert live.stats.num_rows_written == 3
+    assert live.store.filled_of(HIDDEN_STATES, 10) == 1

@@ -280,8 +280,10 @@ class LiveStore:
         if self._begun is plan:
             return
         self._begun = plan
-        if self._staged_steps and self._decode_slots(plan) is None:
-            # NOTE: the deferred rows were written before anything this plan does.
+        if self._staged_steps and (
+            self._decode_slots(plan) is None or self._clears_staged(plan.cleared_block_ids)
+        ):
+            # NOTE: the staged rows were written before anything this plan does.
             self._flushed.update(self._write_pending())
         store = self.store
         if plan.reset:
@@ -364,9 +366,12 @@ class LiveStore:
         self._stats.num_steps += 1
         planned = None if hidden_states is None else self._decode_slots(plan)
         if planned is not None and slot_mapping is not None and hidden_states is not None:
+            # NOTE: for such a plan, `begin` only clears stamps (before its rows,
+            # as always), writing the staged rows first if any is in a cleared block.
+            if plan.cleared_block_ids:
+                self.begin(plan)
+            self._begun = plan
             if self._stage(plan, planned, batch_order, hidden_states, slot_mapping):
-                # NOTE: `begin` has nothing to do for such a plan (`start_step` may follow).
-                self._begun = plan
                 if self._staged_steps < MAX_DEFERRED_STEPS:
                     return {}
                 stamped = self._write_pending()
@@ -469,16 +474,16 @@ class LiveStore:
         """Each request's slot when the step's rows may wait to be written; None if they may not.
 
         Such a step is a decode step that only writes: one new token a request,
-        in a planned block; no hit, no prompt gathered, nothing cleared, loaded,
-        invalidated or finished. It reads nothing of the store, and the next
-        step that does writes the waiting rows first (`begin`), so whatever
-        reads the store finds what writing every step at once would have
-        left. Their rows are written together, one write for up to
-        `MAX_DEFERRED_STEPS` steps.
+        in a planned block; no hit, no prompt gathered, nothing loaded,
+        invalidated or finished, no reset (it may clear stamps of blocks
+        handed out again). It reads nothing of the store, and the next step
+        that does, or that clears a block holding staged rows, writes the
+        waiting rows first (`begin`), so whatever reads the store finds what
+        writing every step at once would have left. Their rows are written
+        together, one write for up to `MAX_DEFERRED_STEPS` steps.
         """
         if not (plan.caching and plan.requests) or (
             plan.reset
-            or plan.cleared_block_ids
             or plan.invalidated_block_ids
             or plan.finished_req_ids
             or plan.prompt_requests
@@ -497,6 +502,13 @@ class LiveStore:
                 return None
             slots[item.req_id] = item.block_ids[0] * bs + item.start % bs
         return slots
+
+    def _clears_staged(self, block_ids: Sequence[int]) -> bool:
+        """Whether any of ``block_ids`` holds staged rows."""
+        if not block_ids:
+            return False
+        bs = self.store.block_size
+        return not {slot // bs for slot in self._staged_slots}.isdisjoint(block_ids)
 
     def _stage(
         self,
