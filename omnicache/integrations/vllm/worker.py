@@ -387,7 +387,19 @@ class OmniWorkerMixin:
         if self.vllm_config.device_config.device_type != "cpu":
             return available
         kv, store = self._omni_bytes_per_block()
-        return available * kv // (kv + store)
+        granted = available * kv // (kv + store)
+        # NOTE: before vLLM sizes its cache: if the rest cannot hold one request of
+        # max_model_len, vLLM's refusal follows this line.
+        _ENGINE_LOG.info(
+            "omnicache (rank %d): of the KV cache budget, %.1f MiB, the store's rows take "
+            "%d bytes a block beside vLLM's %d: vLLM's KV cache gets %.1f MiB",
+            get_tensor_model_parallel_rank(),
+            available / 2**20,
+            store,
+            kv,
+            granted / 2**20,
+        )
+        return granted
 
     def _omni_bytes_per_block(self) -> tuple[int, int]:
         """One block's bytes: vLLM's KV (every layer), and this rank's store rows."""
