@@ -320,18 +320,24 @@ class LiveStore:
             errors.update(order.block_ids[num:])
         return errors
 
-    def flush(self) -> None:
+    def flush(self) -> dict[int, BlockHash]:
         """Writes the rows of staged decode steps now (stamping, and saving to the tier).
 
-        The store writes them itself before any step that reads, clears,
-        loads or finishes; this is for a caller between steps (counters,
-        the tier's flush, shutdown).
+        The store writes them itself before any step that reads, clears
+        their blocks, loads or finishes, and when `MAX_DEFERRED_STEPS` wait;
+        a caller between steps calls this too (counters, the tier's flush,
+        shutdown).
+
+        Returns:
+            Block id -> key of the blocks stamped since the last step that
+            returned them (saved to the tier, with one).
         """
         stamped = self._flushed
         self._flushed = {}
         stamped.update(self._write_pending())
         if self.tier is not None:
             self.tier.save(self.store, stamped)
+        return stamped
 
     def close(self) -> None:
         self.flush()
@@ -372,12 +378,7 @@ class LiveStore:
                 self.begin(plan)
             self._begun = plan
             if self._stage(plan, planned, batch_order, hidden_states, slot_mapping):
-                if self._staged_steps < MAX_DEFERRED_STEPS:
-                    return {}
-                stamped = self._write_pending()
-                if self.tier is not None:
-                    self.tier.save(store, stamped)
-                return stamped
+                return {} if self._staged_steps < MAX_DEFERRED_STEPS else self.flush()
             # Rows at other slots than planned: written now, after the staged ones.
             self._flushed.update(self._write_pending())
         self.begin(plan)

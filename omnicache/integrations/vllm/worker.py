@@ -384,7 +384,7 @@ class OmniWorkerMixin:
         outside the device's budget, which vLLM gets whole.
         """
         available = int(super().determine_available_memory())  # type: ignore[misc]
-        if self.vllm_config.device_config.device_type != "cpu":
+        if not self._omni_store_in_kv_budget():
             return available
         kv, store = self._omni_bytes_per_block()
         granted = available * kv // (kv + store)
@@ -400,6 +400,10 @@ class OmniWorkerMixin:
             granted / 2**20,
         )
         return granted
+
+    def _omni_store_in_kv_budget(self) -> bool:
+        """Whether the store (host memory) takes the memory vLLM's KV cache does: on the CPU."""
+        return bool(self.vllm_config.device_config.device_type == "cpu")
 
     def _omni_bytes_per_block(self) -> tuple[int, int]:
         """One block's bytes: vLLM's KV (every layer), and this rank's store rows."""
@@ -471,7 +475,7 @@ class OmniWorkerMixin:
         )
         where = (
             "the KV cache's budget holds both"
-            if self.vllm_config.device_config.device_type == "cpu"
+            if self._omni_store_in_kv_budget()
             else "the store is host memory, outside the device's budget"
         )
         _ENGINE_LOG.info(
