@@ -49,9 +49,10 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     [_HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 )
 
-from live_timing import Timed, kv_budget  # noqa: E402
+from live_timing import Timed  # noqa: E402
 from vllm.v1.worker.cpu_worker import CPUWorker  # noqa: E402
 
+from omnicache.demo.live import kv_budget  # noqa: E402
 from omnicache.integrations.vllm.worker import OmniCPUWorker  # noqa: E402
 
 MODES = (

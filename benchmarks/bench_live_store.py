@@ -39,8 +39,9 @@ from typing import Any
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-from live_timing import Timed, kv_budget
+from live_timing import Timed
 
+from omnicache.demo.live import kv_budget
 from omnicache.demo.tiny_models import build_text_model
 from omnicache.integrations.vllm.common import (
     SCHEDULER_CLS,

@@ -42,9 +42,10 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 import numpy as np
-from live_timing import Timed, kv_budget
+from live_timing import Timed
 from PIL import Image
 
+from omnicache.demo.live import kv_budget
 from omnicache.demo.tiny_models import build_vl_model
 from omnicache.integrations.vllm.common import (
     SCHEDULER_CLS,

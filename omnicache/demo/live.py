@@ -92,6 +92,7 @@ __all__ = [
     "LiveReport",
     "TracePrompts",
     "engine_args",
+    "kv_budget",
     "mm_limits",
     "prefix_counters",
     "prompt_block_keys",
@@ -314,11 +315,20 @@ def _in_process() -> Iterator[None]:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
 
 
-def store_bytes_per_token(model: Path) -> int:
-    """The store's bytes a token of a tiny model: its text model's hidden size in float32."""
+def kv_budget(kv_bytes: int, model: Path, *, store: bool) -> int:
+    """``kv_cache_memory_bytes`` for ``kv_bytes`` of a tiny model's KV cache.
+
+    An engine with omnicache's store holds its rows in the same budget on
+    the CPU: it is given their bytes beside (its text model's hidden size in
+    float32 a token), for as many blocks as an engine without it (the tiny
+    models' KV a token: `KV_BYTES_PER_TOKEN`).
+    """
+    if not store:
+        return kv_bytes
     from transformers import AutoConfig
 
-    return int(AutoConfig.from_pretrained(str(model)).get_text_config().hidden_size) * 4
+    hidden = int(AutoConfig.from_pretrained(str(model)).get_text_config().hidden_size)
+    return kv_bytes * (KV_BYTES_PER_TOKEN + 4 * hidden) // KV_BYTES_PER_TOKEN
 
 
 def engine_args(
@@ -329,11 +339,11 @@ def engine_args(
     NOTE: an engine with the store (runs 0 and 2) holds the store's rows in
     its KV cache budget: it is given the bytes of both for as many blocks.
     """
-    per_token = KV_BYTES_PER_TOKEN + (0 if run == 1 else store_bytes_per_token(model))
+    kv_bytes = config.num_blocks * config.block_size * KV_BYTES_PER_TOKEN
     args: dict[str, Any] = {
         "model": str(model),
         "block_size": config.block_size,
-        "kv_cache_memory_bytes": config.num_blocks * config.block_size * per_token,
+        "kv_cache_memory_bytes": kv_budget(kv_bytes, model, store=run != 1),
         "max_model_len": config.max_model_len,
         "max_num_batched_tokens": config.max_model_len,
         "max_num_seqs": 4,
