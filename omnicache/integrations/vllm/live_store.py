@@ -34,10 +34,11 @@ allocated: a request scheduled in the same step as the one computing a block
 can hit it, and its rows exist once the step's rows are written.
 
 A decode step that only writes keeps its rows in a staging buffer (checked
-against the plan's slots) until a step that reads, clears, loads or
-finishes anything, or `MAX_DEFERRED_STEPS` of them: then they are written
-first, in one write, so whatever reads the store finds what writing each
-step would have left.
+against the plan's slots) until a step that reads, loads or finishes
+anything, or that clears a block holding staged rows, or until
+`MAX_DEFERRED_STEPS` of them wait: then they are written first, in one
+write, so whatever reads the store finds what writing each step would have
+left.
 
 Under tensor parallelism, ranks but the first keep a follower's store
 (`follower_store`): the same stamps, one byte a row.
