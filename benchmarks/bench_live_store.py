@@ -18,8 +18,8 @@ keys (``scheduler_cls`` only); omnicache's keys and the store (plus
 slots). Columns: the engine core's step time (median over the workload's
 steps), the worker's store work per step (`LiveStore.apply`: clears, row
 writes, hit checks, prompt results; median) and its share of the steps (the
-workload's store time over its step time: the decode steps that write the
-rows of up to 32 deferred ones count in full). Medians over
+workload's store time over its step time: the steps that write the rows of
+the staged decode steps count in full). Medians over
 ``--repeats`` passes; the modes take turns, each pass on a fresh engine
 after a warm-up workload of its own.
 
@@ -125,8 +125,8 @@ def run_pass(mode: str, model: Path, args: argparse.Namespace) -> dict[str, dict
                 assert all(o.num_cached_tokens == 479 // BLOCK_SIZE * BLOCK_SIZE for o in outputs)
             step_s = statistics.median(step.times)
             apply_s = statistics.median(apply.times) if apply is not None else 0.0
-            # NOTE: the share is of the totals: a step that writes deferred
-            # rows (one in up to 32 decode steps) counts in full.
+            # NOTE: the share is of the totals: a step that writes the staged
+            # decode steps' rows counts in full.
             share = sum(apply.times) / sum(step.times) if apply is not None else 0.0
             results[workload] = {"step ms": 1e3 * step_s, "store ms": 1e3 * apply_s, "share": share}
     llm.llm_engine.engine_core.shutdown()

@@ -370,8 +370,12 @@ def decode_step(tokens: dict[str, tuple[int, int]], keys: dict[int, BlockHash]) 
 def test_decode_steps_write_their_rows_before_anything_reads_the_store() -> None:
     from omnicache.integrations.vllm.live_store import MAX_DEFERRED_STEPS
 
+    # Blocks enough for MAX_DEFERRED_STEPS more decode steps of one request.
     live = LiveStore(
-        TensorStore(64, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32), max_results=8
+        TensorStore(
+            8 + MAX_DEFERRED_STEPS // BS, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32
+        ),
+        max_results=8,
     )
     # "a" decodes positions 4..7 into block 2 (completing it), "b" 0..3 into block 3.
     stamped: dict[int, BlockHash] = {}
@@ -457,3 +461,68 @@ def test_a_decode_step_that_clears_blocks_writes_the_staged_rows_only_if_it_clea
     live.flush()
     assert live.stats.num_rows_written == 3
     assert live.store.filled_of(HIDDEN_STATES, 10) == 1
+
+
+def test_staged_steps_of_changing_batch_and_padding_are_written_as_computed_on_every_rank() -> None:
+    from omnicache.integrations.vllm.live_store import follower_store
+
+    leader = new_live()
+    follower = LiveStore(
+        follower_store(8, BS), max_results=8, share=lambda rows: rows, keeps_results=False
+    )
+    steps = [
+        (decode_step({"a": (0, 1), "b": (0, 2)}, {}), ["a", "b"]),
+        (decode_step({"a": (1, 1), "b": (1, 2)}, {}), ["b", "a"]),  # another batch order
+        (decode_step({"b": (2, 2)}, {}), ["b"]),  # another batch size
+        (decode_step({"b": (3, 2)}, {2: K[2]}), ["b"]),
+    ]
+    for step, (plan, order) in enumerate(steps):
+        # Two padding rows and slots after the step's own.
+        values = torch.cat([rows(10 * step, len(order)), rows(-1, 2)])
+        for live in (leader, follower):
+            assert live.apply(plan, order, values, slots_of(plan, order, padding=2)) == {}
+    # The third step's batch size wrote the first two steps' rows first.
+    assert leader.stats.num_rows_written == follower.stats.num_rows_written == 4
+    assert leader.flush() == follower.flush() == {2: K[2]}
+    assert leader.stats.num_rows_written == follower.stats.num_rows_written == 6
+    block_2 = torch.tensor([1.0, 10.0, 20.0, 30.0])[:, None].repeat(1, HIDDEN)
+    assert torch.equal(leader.store.read_blocks(HIDDEN_STATES, [2], [K[2]]), block_2)
+    for live in (leader, follower):
+        assert live.store.filled_of(HIDDEN_STATES, 1) == 2
+        assert live.store.stamp_of(HIDDEN_STATES, 1) is None
+        assert live.stats.num_slot_mismatches == 0
+
+
+def test_a_staged_block_a_later_step_rewrites_at_unplanned_slots_is_not_reported_stamped() -> None:
+    live = new_live()
+    for position in range(BS):
+        plan = decode_step({"a": (position, 1)}, {1: K[1]} if position == BS - 1 else {})
+        live.apply(plan, ["a"], rows(position, 1), slots_of(plan, ["a"]))
+    # Planned into block 3; its row lands at block 1's first slot.
+    stray = decode_step({"b": (0, 3)}, {})
+    live.apply(stray, ["b"], rows(50, 1), torch.tensor([1 * BS]))
+    assert live.flush() == {}
+    assert live.stats.num_slot_mismatches == 1
+    assert live.store.stamp_of(HIDDEN_STATES, 1) is None
+    assert live.store.filled_of(HIDDEN_STATES, 1) == 1
+    assert live.stats.num_rows_written == BS + 1
+
+
+def test_staged_rows_are_written_once_they_take_max_staged_bytes() -> None:
+    row_bytes = HIDDEN * 4  # float32
+    live = LiveStore(
+        TensorStore(8, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32),
+        max_results=8,
+        max_staged_bytes=3 * row_bytes,
+    )
+    written = []
+    for position in range(BS):
+        plan = decode_step({"a": (position, 1)}, {1: K[1]} if position == BS - 1 else {})
+        stamped = live.apply(plan, ["a"], rows(position, 1), slots_of(plan, ["a"]))
+        written.append((live.stats.num_rows_written, stamped))
+    # The third step's rows reach the bytes: the three are written; the fourth waits.
+    assert written == [(0, {}), (0, {}), (3, {}), (3, {})]
+    assert live.flush() == {1: K[1]}
+    assert torch.equal(live.store.read_blocks(HIDDEN_STATES, [1], [K[1]]), rows(0, BS))
+    with pytest.raises(ValueError, match="max_staged_bytes"):
+        LiveStore(live.store, max_results=8, max_staged_bytes=-1)

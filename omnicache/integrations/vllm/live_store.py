@@ -29,16 +29,16 @@ Writes come before reads because vLLM caches a block as soon as it is
 allocated: a request scheduled in the same step as the one computing a block
 can hit it, and its rows exist once the step's rows are written.
 
-Writes come before reads because vLLM caches a block as soon as it is
-allocated: a request scheduled in the same step as the one computing a block
-can hit it, and its rows exist once the step's rows are written.
-
-A decode step that only writes keeps its rows in a staging buffer (checked
-against the plan's slots) until a step that reads, loads or finishes
-anything, or that clears a block holding staged rows, or until
-`MAX_DEFERRED_STEPS` of them wait: then they are written first, in one
-write, so whatever reads the store finds what writing each step would have
-left.
+A decode step that only writes keeps a copy of its rows and of its slot
+mapping, made on their device (no value of either is read: on a GPU the
+step never waits for the forward pass), until a step that reads, loads or
+finishes anything, or that clears a block holding staged rows, or until
+`MAX_DEFERRED_STEPS` of them wait or their rows take ``max_staged_bytes``.
+Then they are written first, so whatever
+reads the store finds what writing each step would have left: the staged
+slots are compared with the plans' there, once; if every step's match, the
+rows are written in one write with the plans' keys; otherwise step by step,
+in order, a step at other slots than planned without keys.
 
 Under tensor parallelism, ranks but the first keep a follower's store
 (`follower_store`): the same stamps, one byte a row.
@@ -66,6 +66,7 @@ from omnicache.store import HIDDEN_STATES, TensorStore
 __all__ = [
     "FOLLOWER_DTYPE",
     "MAX_DEFERRED_STEPS",
+    "MAX_STAGED_BYTES",
     "LiveStore",
     "LiveStoreStats",
     "PromptScorer",
@@ -73,8 +74,15 @@ __all__ = [
     "follower_store",
 ]
 
-MAX_DEFERRED_STEPS = 64
-"""The most decode steps whose rows wait to be written together (`LiveStore`)."""
+MAX_DEFERRED_STEPS = 256
+"""The most decode steps whose rows wait to be written together (`LiveStore`).
+
+A write's cost is mostly its fixed part (about 1 ms on a 2-core host for 4
+to 256 rows), so fewer, larger writes; ``max_staged_bytes`` bounds the
+memory the copies take (beside the model, on its device).
+"""
+MAX_STAGED_BYTES = 32 * 2**20
+"""`LiveStore`'s default ``max_staged_bytes``."""
 FOLLOWER_DTYPE = torch.uint8
 """A follower's store (`follower_store`) keeps one value of this type a row."""
 
@@ -221,6 +229,8 @@ class LiveStore:
         keeps_results: whether this store gathers the prompt results callers
             take (only the first rank's does under tensor parallelism: its
             results are the ones taken).
+        max_staged_bytes: the staged decode steps' rows are written once
+            they take this many bytes (or `MAX_DEFERRED_STEPS` wait).
     """
 
     def __init__(
@@ -232,6 +242,7 @@ class LiveStore:
         scorer: PromptScorer | None = None,
         share: Callable[[torch.Tensor], torch.Tensor] | None = None,
         keeps_results: bool = True,
+        max_staged_bytes: int = MAX_STAGED_BYTES,
     ) -> None:
         if not isinstance(store, TensorStore):
             raise TypeError(f"store: expected a TensorStore, found {type_name(store)}")
@@ -247,18 +258,23 @@ class LiveStore:
             )
         self.share = share
         self._mark_rows = torch.zeros((0, 1), dtype=FOLLOWER_DTYPE)
-        # Decode steps whose rows wait to be written (`_stage`): their rows
-        # (in a buffer of the rows' device), slots and keys; and the blocks a
-        # write in `begin` stamped (saved to the tier by `apply`).
-        self._staged_rows: torch.Tensor | None = None
-        self._staged_slots: list[int] = []
-        self._staged_keys: dict[int, BlockHash] = {}
-        self._staged_steps = 0
+        # Decode steps whose rows wait to be written (`_stage`), one entry a
+        # step: a copy of its rows (none in a follower) and of its slot
+        # mapping, on their device; its planned slots, batch order and plan's
+        # keys. And
+        # the blocks a write in `begin` stamped (saved to the tier by `apply`).
+        self._staged_rows: list[torch.Tensor] = []
+        self._staged_slot_copies: list[torch.Tensor] = []
+        self._staged_slots: list[list[int]] = []
+        self._staged_orders: list[Sequence[str]] = []
+        self._staged_keys: list[Mapping[int, BlockHash]] = []
         self._flushed: dict[int, BlockHash] = {}
         self.store = store
         self.tier = tier
         self.scorer = scorer
         self.max_results = check_int("max_results", max_results, minimum=1)
+        self.max_staged_bytes = check_int("max_staged_bytes", max_staged_bytes, minimum=0)
+        self._staged_nbytes = 0
         self.keeps_results = keeps_results
         self._prompts: dict[str, _Prompt] = {}
         # Request id -> (its key, its rows or None).
@@ -281,7 +297,7 @@ class LiveStore:
         if self._begun is plan:
             return
         self._begun = plan
-        if self._staged_steps and (
+        if self._staged_slots and (
             self._decode_slots(plan) is None or self._clears_staged(plan.cleared_block_ids)
         ):
             # NOTE: the staged rows were written before anything this plan does.
@@ -325,7 +341,8 @@ class LiveStore:
         """Writes the rows of staged decode steps now (stamping, and saving to the tier).
 
         The store writes them itself before any step that reads, clears
-        their blocks, loads or finishes, and when `MAX_DEFERRED_STEPS` wait;
+        their blocks, loads or finishes, and when `MAX_DEFERRED_STEPS` wait
+        or their rows take ``max_staged_bytes``;
         a caller between steps calls this too (counters, the tier's flush,
         shutdown).
 
@@ -379,8 +396,13 @@ class LiveStore:
                 self.begin(plan)
             self._begun = plan
             if self._stage(plan, planned, batch_order, hidden_states, slot_mapping):
-                return {} if self._staged_steps < MAX_DEFERRED_STEPS else self.flush()
-            # Rows at other slots than planned: written now, after the staged ones.
+                if (
+                    len(self._staged_slots) < MAX_DEFERRED_STEPS
+                    and self._staged_nbytes < self.max_staged_bytes
+                ):
+                    return {}
+                return self.flush()
+            # Rows of other requests than planned: refused below, after the staged ones.
             self._flushed.update(self._write_pending())
         self.begin(plan)
         batch = []
@@ -482,7 +504,7 @@ class LiveStore:
         that does, or that clears a block holding staged rows, writes the
         waiting rows first (`begin`), so whatever reads the store finds what
         writing every step at once would have left. Their rows are written
-        together, one write for up to `MAX_DEFERRED_STEPS` steps.
+        together (`_write_pending`).
         """
         if not (plan.caching and plan.requests) or (
             plan.reset
@@ -506,11 +528,12 @@ class LiveStore:
         return slots
 
     def _clears_staged(self, block_ids: Sequence[int]) -> bool:
-        """Whether any of ``block_ids`` holds staged rows."""
+        """Whether any of ``block_ids`` holds staged rows (at their planned slots)."""
         if not block_ids:
             return False
         bs = self.store.block_size
-        return not {slot // bs for slot in self._staged_slots}.isdisjoint(block_ids)
+        staged = {slot // bs for slots in self._staged_slots for slot in slots}
+        return not staged.isdisjoint(block_ids)
 
     def _stage(
         self,
@@ -522,61 +545,78 @@ class LiveStore:
     ) -> bool:
         """Keeps a decode step's rows until they are written; False if it cannot.
 
-        ``planned``: each request's slot (`_decode_slots`). A step whose rows
-        are not at those slots is not kept: it is written at once (without
-        keys), after the kept ones.
+        ``planned``: each request's slot (`_decode_slots`). The step keeps
+        copies of its rows and of its slot mapping, made on their device:
+        reading a value of either would make a GPU step wait for the forward
+        pass, and vLLM reuses both buffers. `_write_pending` compares the
+        slots with the plan's.
         """
         num = len(planned)
-        if len(batch_order) != num:
+        slots = [planned.get(req_id, -1) for req_id in batch_order]
+        if len(slots) != num or -1 in slots:
             return False
-        # NOTE: a list of a few ints; on a GPU this waits for the step (as
-        # `_write` does): the slots the forward pass used are on the device.
-        slots: list[int] = slot_mapping[:num].tolist()
-        if [planned.get(req_id) for req_id in batch_order] != slots:
-            return False
+        if self._staged_slots and len(self._staged_slots[0]) != num:
+            # NOTE: staged steps are of one batch size (`_write_pending` stacks them).
+            self._flushed.update(self._write_pending())
+        # NOTE: whole tensors when the step has no padding: a slice is one
+        # more op, and right after the forward pass each kind of op is cold.
         if self.keeps_rows:
-            staged = self._staged_rows
-            count = len(self._staged_slots)
-            if staged is None or len(staged) < count + num:
-                if count:
-                    self._flushed.update(self._write_pending())
-                    count = 0
-                if staged is None or len(staged) < num:
-                    staged = torch.empty(
-                        (max(num, 8) * MAX_DEFERRED_STEPS, hidden_states.shape[-1]),
-                        dtype=hidden_states.dtype,
-                        device=hidden_states.device,
-                    )
-                    self._staged_rows = staged
-            # NOTE: vLLM reuses its output buffer: the rows are copied now.
-            staged[count : count + num].copy_(hidden_states[:num])
-        self._staged_slots.extend(slots)
-        self._staged_keys.update(plan.block_keys)
-        self._staged_steps += 1
+            rows = hidden_states if len(hidden_states) == num else hidden_states[:num]
+            self._staged_rows.append(rows.clone())
+            self._staged_nbytes += _nbytes(rows)
+        mapping = slot_mapping if len(slot_mapping) == num else slot_mapping[:num]
+        self._staged_slot_copies.append(mapping.clone())
+        self._staged_slots.append(slots)
+        self._staged_orders.append(batch_order)
+        self._staged_keys.append(plan.block_keys)
         return True
 
     def _write_pending(self) -> dict[int, BlockHash]:
-        """Writes the staged decode steps' rows, in one write."""
-        if not self._staged_steps:
+        """Writes the staged decode steps' rows; the blocks stamped.
+
+        Every step's rows at their planned slots, in one batch order (the
+        normal case): one write, request by request (each block's rows then
+        come in order, a run of slots), with every step's keys. Otherwise
+        each step in order, as if written when computed: a step at other
+        slots than planned without keys (`_write`).
+        """
+        if not self._staged_slots:
             return {}
-        slots = np.array(self._staged_slots, dtype=np.int64)
-        keys = self._staged_keys
-        self._staged_slots, self._staged_keys, self._staged_steps = [], {}, 0
-        num = len(slots)
-        # NOTE: in slot order, each block's rows are one run (the store copies
-        # a run at once); no slot repeats (decode steps only append).
-        order = np.argsort(slots, kind="stable")
-        if self.keeps_rows:
-            assert self._staged_rows is not None
-            staged = self._staged_rows[:num]
-            rows = staged[torch.from_numpy(order).to(staged.device)]
-        else:
-            rows = self._marks(num)
-        result = self.store.write(
-            HIDDEN_STATES, rows, slots[order], block_keys=keys, num_tokens=num
-        )
-        self._stats.num_rows_written += num
-        return {block_id: keys[block_id] for block_id in result.stamped_block_ids}
+        planned, copies, keys_of = self._staged_slots, self._staged_slot_copies, self._staged_keys
+        staged_rows, orders = self._staged_rows, self._staged_orders
+        self._staged_rows, self._staged_slot_copies, self._staged_orders = [], [], []
+        self._staged_slots, self._staged_keys = [], []
+        self._staged_nbytes = 0
+        keys: dict[int, BlockHash] = {}
+        for step_keys in keys_of:
+            keys.update(step_keys)
+        # NOTE: the one read of the staged slots (on a GPU, the one wait).
+        actual = torch.stack(copies, dim=1).to("cpu", torch.int64)
+        num, steps = actual.shape
+        by_request = [slot for request in zip(*planned, strict=True) for slot in request]
+        one_order = all(order == orders[0] for order in orders)
+        if one_order and actual.view(-1).tolist() == by_request:
+            if self.keeps_rows:
+                rows = torch.stack(staged_rows, dim=1).view(num * steps, -1)
+            else:
+                rows = self._marks(num * steps)
+            result = self.store.write(HIDDEN_STATES, rows, by_request, block_keys=keys)
+            self._stats.num_rows_written += num * steps
+            return {block_id: keys[block_id] for block_id in result.stamped_block_ids}
+        stamped: dict[int, BlockHash] = {}
+        for step, slots in enumerate(actual.t().tolist()):
+            step_keys = keys
+            if slots != planned[step]:
+                self._stats.num_slot_mismatches += 1
+                step_keys = {}
+            rows = staged_rows[step] if self.keeps_rows else self._marks(num)
+            result = self.store.write(HIDDEN_STATES, rows, slots, block_keys=step_keys)
+            self._stats.num_rows_written += num
+            for block_id in result.stamped_block_ids:
+                stamped[block_id] = step_keys[block_id]
+        # NOTE: a later step's rows without keys may have cleared a stamp.
+        stamp_of = self.store.stamp_of
+        return {b: key for b, key in stamped.items() if stamp_of(HIDDEN_STATES, b) == key}
 
     def _write(
         self,
