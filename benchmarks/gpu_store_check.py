@@ -288,11 +288,16 @@ def live_store_timing(hidden: int, bs: int, reps: int) -> None:
         host_ms.append(1e3 * (time.perf_counter() - began))
         end.synchronize()
         gpu_ms.append(start.elapsed_time(end))
+    staged = live.stats.num_steps - live.stats.num_rows_written
+    began = time.perf_counter()
+    live.flush()  # the staged steps' one read of their slots: it waits for the device
+    flush_ms = 1e3 * (time.perf_counter() - began)
     print(
         f"\nlive store, decode step on cuda (a {8192} x {hidden} matmul as the forward pass): "
         f"apply on the host {statistics.median(host_ms):.3f} ms (median), forward "
         f"{statistics.median(gpu_ms):.3f} ms; apply waited for the forward pass if its time "
-        "is near the forward's"
+        f"is near the forward's. Then the write of the {staged} steps still staged: "
+        f"{flush_ms:.3f} ms"
     )
 
 

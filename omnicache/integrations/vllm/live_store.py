@@ -251,6 +251,8 @@ class LiveStore:
                 f"store: expected an entry {HIDDEN_STATES!r}, found {sorted(store.entries)}"
             )
         self.keeps_rows = store.entries[HIDDEN_STATES].dtype != FOLLOWER_DTYPE
+        # The bytes of a row: staged rows are the store's.
+        self._row_nbytes = store.entries[HIDDEN_STATES].nbytes // store.num_slots
         if not self.keeps_rows and (share is None or keeps_results):
             raise ValueError(
                 "store: a follower's store (one byte a row) expected with a share and without "
@@ -552,8 +554,9 @@ class LiveStore:
         slots with the plan's.
         """
         num = len(planned)
-        slots = [planned.get(req_id, -1) for req_id in batch_order]
-        if len(slots) != num or -1 in slots:
+        # NOTE: map, not a comprehension: a new frame is one more cold thing.
+        slots: list[int] = list(map(planned.get, batch_order))  # type: ignore[arg-type]
+        if len(slots) != num or None in slots:
             return False
         if self._staged_slots and len(self._staged_slots[0]) != num:
             # NOTE: staged steps are of one batch size (`_write_pending` stacks them).
@@ -563,7 +566,7 @@ class LiveStore:
         if self.keeps_rows:
             rows = hidden_states if len(hidden_states) == num else hidden_states[:num]
             self._staged_rows.append(rows.clone())
-            self._staged_nbytes += _nbytes(rows)
+            self._staged_nbytes += num * self._row_nbytes
         mapping = slot_mapping if len(slot_mapping) == num else slot_mapping[:num]
         self._staged_slot_copies.append(mapping.clone())
         self._staged_slots.append(slots)
@@ -590,12 +593,13 @@ class LiveStore:
         keys: dict[int, BlockHash] = {}
         for step_keys in keys_of:
             keys.update(step_keys)
-        # NOTE: the one read of the staged slots (on a GPU, the one wait).
-        actual = torch.stack(copies, dim=1).to("cpu", torch.int64)
-        num, steps = actual.shape
+        # NOTE: the one read of the staged slots (on a GPU, the one wait); cat,
+        # not stack: stack adds a view op a step.
+        steps, num = len(planned), len(planned[0])
+        actual = torch.cat(copies).to("cpu", torch.int64).view(steps, num)
         by_request = [slot for request in zip(*planned, strict=True) for slot in request]
         one_order = all(order == orders[0] for order in orders)
-        if one_order and actual.view(-1).tolist() == by_request:
+        if one_order and actual.t().reshape(-1).tolist() == by_request:
             if self.keeps_rows:
                 rows = torch.stack(staged_rows, dim=1).view(num * steps, -1)
             else:
@@ -604,7 +608,7 @@ class LiveStore:
             self._stats.num_rows_written += num * steps
             return {block_id: keys[block_id] for block_id in result.stamped_block_ids}
         stamped: dict[int, BlockHash] = {}
-        for step, slots in enumerate(actual.t().tolist()):
+        for step, slots in enumerate(actual.tolist()):
             step_keys = keys
             if slots != planned[step]:
                 self._stats.num_slot_mismatches += 1
