@@ -17,7 +17,7 @@ import torch
 from test_vllm_integration import VLLM_MISSING
 
 from omnicache.block_hash import BlockHash
-from omnicache.integrations.vllm.plan import LoadOrder, StepPlan
+from omnicache.integrations.vllm.plan import LoadOrder, PlannedRequest, StepPlan
 from omnicache.integrations.vllm.tier import (
     TierConfig,
     TierReader,
@@ -205,6 +205,55 @@ def test_tensor_parallel_ranks_each_load_their_own_shard_and_no_other_layout_doe
     tier.close()
     for tier_, _ in workers:
         tier_.close()
+
+
+def test_a_shard_gone_from_one_rank_only_is_recomputed_and_both_ranks_agree_again(
+    config: TierConfig, redis_server: RedisServer
+) -> None:
+    rows = torch.arange(2 * BS * HIDDEN, dtype=torch.float32).reshape(2 * BS, HIDDEN)
+    for rank in range(2):
+        kv, st = caches(seed=10 + rank, heads=1), rank_store(rank)
+        marks = rows if rank == 0 else torch.zeros(2 * BS, 1, dtype=torch.uint8)
+        st.write_blocks(HIDDEN_STATES, marks, [1, 2], block_keys=[K[0], K[1]])
+        tier = WorkerTier(config, kv, st, rank=rank, num_ranks=2)
+        tier.save(st, {1: K[0], 2: K[1]})
+        assert tier.flush(10.0)
+        tier.close()
+    # After the scheduler's lookup, the second rank's shard of K[1] is evicted.
+    client = redis_server.client()
+    assert client.delete(f"test:{config.namespace}:{K[1].hex()}:kv.tp1of2.{LAYERS[0]}") == 1
+    lives = []
+    for rank in range(2):
+        target = rank_store(rank)
+        tier = WorkerTier(config, caches(seed=None, heads=1), target, rank=rank, num_ranks=2)
+        # NOTE: no hit is scored here: the ranks' share is never called.
+        lives.append(
+            LiveStore(target, max_results=4, tier=tier, share=lambda r: r, keeps_results=rank == 0)
+        )
+    leader, follower = lives
+    load = StepPlan(caching=True, loads=(LoadOrder("r", (5, 6), (K[0], K[1])),))
+    assert leader.start_step(load) == set()
+    assert follower.start_step(load) == {6}
+    # vLLM joins the ranks' failed blocks ({6}) and recomputes the request from
+    # block 6, behind its hit on block 5: the step stamps block 6 on both ranks
+    # again, with the recomputed rows on the first.
+    recomputed = rows[BS:] + 100
+    step = StepPlan(
+        caching=True,
+        requests=(PlannedRequest("r", BS, BS, (6,), (5,), (K[0],)),),
+        block_keys={6: K[1]},
+    )
+    slots = torch.arange(6 * BS, 7 * BS)
+    for live in lives:
+        assert live.apply(step, ["r"], recomputed, slots) == {6: K[1]}
+        assert live.store.probe([5, 6], [K[0], K[1]]) == 2
+        assert live.stats.num_hit_blocks == 1 and live.stats.num_stale_hit_blocks == 0
+    assert torch.equal(
+        leader.store.read_blocks(HIDDEN_STATES, [5, 6], [K[0], K[1]]),
+        torch.cat([rows[:BS], recomputed]),
+    )
+    for live in lives:
+        live.close()
 
 
 @pytest.mark.parametrize("damage", ["deleted", "overwritten"])
