@@ -526,3 +526,17 @@ def test_staged_rows_are_written_once_they_take_max_staged_bytes() -> None:
     assert torch.equal(live.store.read_blocks(HIDDEN_STATES, [1], [K[1]]), rows(0, BS))
     with pytest.raises(ValueError, match="max_staged_bytes"):
         LiveStore(live.store, max_results=8, max_staged_bytes=-1)
+
+
+def test_a_staged_step_at_a_slot_outside_the_store_is_refused_before_any_write() -> None:
+    live = new_live()
+    for position in range(2):
+        plan = decode_step({"a": (position, 1)}, {})
+        live.apply(plan, ["a"], rows(position, 1), slots_of(plan, ["a"]))
+    plan = decode_step({"a": (2, 1)}, {})
+    live.apply(plan, ["a"], rows(2, 1), torch.tensor([8 * BS]))
+    found = r"found \[32\] \(planned \[6\]\) in staged decode step 3 of 3"
+    with pytest.raises(IndexError, match=r"expected the forward pass's slots in 0\.\.31, " + found):
+        live.flush()
+    assert live.store.filled_of(HIDDEN_STATES, 1) == 0
+    assert live.stats.num_rows_written == 0

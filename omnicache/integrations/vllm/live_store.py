@@ -607,8 +607,18 @@ class LiveStore:
             result = self.store.write(HIDDEN_STATES, rows, by_request, block_keys=keys)
             self._stats.num_rows_written += num * steps
             return {block_id: keys[block_id] for block_id in result.stamped_block_ids}
+        by_step: list[list[int]] = actual.tolist()
+        num_slots = self.store.num_slots
+        for step, slots in enumerate(by_step):
+            if not all(0 <= slot < num_slots for slot in slots):
+                # NOTE: before any write: the staged rows are dropped, the store unchanged.
+                raise IndexError(
+                    f"step: expected the forward pass's slots in 0..{num_slots - 1}, found "
+                    f"{slots} (planned {planned[step]}) in staged decode step {step + 1} of "
+                    f"{steps}"
+                )
         stamped: dict[int, BlockHash] = {}
-        for step, slots in enumerate(actual.tolist()):
+        for step, slots in enumerate(by_step):
             step_keys = keys
             if slots != planned[step]:
                 self._stats.num_slot_mismatches += 1
