@@ -269,6 +269,8 @@ class LiveStore:
         self._staged_slot_copies: list[torch.Tensor] = []
         self._staged_slots: list[list[int]] = []
         self._staged_orders: list[Sequence[str]] = []
+        # The blocks of the staged steps' planned slots (`_clears_staged`).
+        self._staged_blocks: set[int] = set()
         self._staged_keys: list[Mapping[int, BlockHash]] = []
         self._flushed: dict[int, BlockHash] = {}
         self.store = store
@@ -531,11 +533,7 @@ class LiveStore:
 
     def _clears_staged(self, block_ids: Sequence[int]) -> bool:
         """Whether any of ``block_ids`` holds staged rows (at their planned slots)."""
-        if not block_ids:
-            return False
-        bs = self.store.block_size
-        staged = {slot // bs for slots in self._staged_slots for slot in slots}
-        return not staged.isdisjoint(block_ids)
+        return bool(block_ids) and not self._staged_blocks.isdisjoint(block_ids)
 
     def _stage(
         self,
@@ -570,6 +568,9 @@ class LiveStore:
         mapping = slot_mapping if len(slot_mapping) == num else slot_mapping[:num]
         self._staged_slot_copies.append(mapping.clone())
         self._staged_slots.append(slots)
+        # NOTE: kept as steps come, not gathered when asked: with a large batch
+        # and small blocks, most decode steps clear blocks.
+        self._staged_blocks.update(map(self.store.block_size.__rfloordiv__, slots))
         self._staged_orders.append(batch_order)
         self._staged_keys.append(plan.block_keys)
         return True
@@ -589,6 +590,7 @@ class LiveStore:
         staged_rows, orders = self._staged_rows, self._staged_orders
         self._staged_rows, self._staged_slot_copies, self._staged_orders = [], [], []
         self._staged_slots, self._staged_keys = [], []
+        self._staged_blocks = set()
         self._staged_nbytes = 0
         keys: dict[int, BlockHash] = {}
         for step_keys in keys_of:
