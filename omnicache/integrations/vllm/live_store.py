@@ -34,11 +34,11 @@ mapping, made on their device (no value of either is read: on a GPU the
 step never waits for the forward pass), until a step that reads, loads or
 finishes anything, or that clears a block holding staged rows, or until
 `MAX_DEFERRED_STEPS` of them wait or their rows take ``max_staged_bytes``.
-Then they are written first, so whatever
-reads the store finds what writing each step would have left: the staged
-slots are compared with the plans' there, once; if every step's match, the
-rows are written in one write with the plans' keys; otherwise step by step,
-in order, a step at other slots than planned without keys.
+Then they are written first, so whatever reads the store finds what writing
+each step would have left: the staged slots are read and compared with the
+plans' there, once; if every step's match, the rows are written in one
+write with the plans' keys; otherwise step by step, in order, a step at
+other slots than planned without keys.
 
 Under tensor parallelism, ranks but the first keep a follower's store
 (`follower_store`): the same stamps, one byte a row.
@@ -263,8 +263,8 @@ class LiveStore:
         # Decode steps whose rows wait to be written (`_stage`), one entry a
         # step: a copy of its rows (none in a follower) and of its slot
         # mapping, on their device; its planned slots, batch order and plan's
-        # keys. And
-        # the blocks a write in `begin` stamped (saved to the tier by `apply`).
+        # keys. And the blocks a write in `begin` stamped (saved to the tier
+        # by `apply`).
         self._staged_rows: list[torch.Tensor] = []
         self._staged_slot_copies: list[torch.Tensor] = []
         self._staged_slots: list[list[int]] = []
