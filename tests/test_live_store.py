@@ -508,21 +508,32 @@ def test_a_staged_block_a_later_step_rewrites_at_unplanned_slots_is_not_reported
     assert live.stats.num_rows_written == BS + 1
 
 
-def test_staged_rows_are_written_once_they_take_max_staged_bytes() -> None:
+def test_staged_rows_are_written_once_they_take_max_staged_bytes_on_every_rank() -> None:
+    from omnicache.integrations.vllm.live_store import follower_store
+
     row_bytes = HIDDEN * 4  # float32
     live = LiveStore(
         TensorStore(8, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32),
         max_results=8,
         max_staged_bytes=3 * row_bytes,
     )
-    written = []
+    # A follower keeps no rows, yet counts the model's: it writes at the same step.
+    follower = LiveStore(
+        follower_store(8, BS),
+        max_results=8,
+        share=lambda rows: rows,
+        keeps_results=False,
+        max_staged_bytes=3 * row_bytes,
+    )
+    written: dict[str, list[tuple[int, dict[int, BlockHash]]]] = {"live": [], "follower": []}
     for position in range(BS):
         plan = decode_step({"a": (position, 1)}, {1: K[1]} if position == BS - 1 else {})
-        stamped = live.apply(plan, ["a"], rows(position, 1), slots_of(plan, ["a"]))
-        written.append((live.stats.num_rows_written, stamped))
+        for name, store in (("live", live), ("follower", follower)):
+            stamped = store.apply(plan, ["a"], rows(position, 1), slots_of(plan, ["a"]))
+            written[name].append((store.stats.num_rows_written, stamped))
     # The third step's rows reach the bytes: the three are written; the fourth waits.
-    assert written == [(0, {}), (0, {}), (3, {}), (3, {})]
-    assert live.flush() == {1: K[1]}
+    assert written["live"] == written["follower"] == [(0, {}), (0, {}), (3, {}), (3, {})]
+    assert live.flush() == follower.flush() == {1: K[1]}
     assert torch.equal(live.store.read_blocks(HIDDEN_STATES, [1], [K[1]]), rows(0, BS))
     with pytest.raises(ValueError, match="max_staged_bytes"):
         LiveStore(live.store, max_results=8, max_staged_bytes=-1)

@@ -251,8 +251,6 @@ class LiveStore:
                 f"store: expected an entry {HIDDEN_STATES!r}, found {sorted(store.entries)}"
             )
         self.keeps_rows = store.entries[HIDDEN_STATES].dtype != FOLLOWER_DTYPE
-        # The bytes of a row: staged rows are the store's.
-        self._row_nbytes = store.entries[HIDDEN_STATES].nbytes // store.num_slots
         if not self.keeps_rows and (share is None or keeps_results):
             raise ValueError(
                 "store: a follower's store (one byte a row) expected with a share and without "
@@ -278,7 +276,8 @@ class LiveStore:
         self.scorer = scorer
         self.max_results = check_int("max_results", max_results, minimum=1)
         self.max_staged_bytes = check_int("max_staged_bytes", max_staged_bytes, minimum=0)
-        self._staged_nbytes = 0
+        # The bytes of a staged step's rows (the staged steps are of one batch size).
+        self._step_nbytes = 0
         self.keeps_results = keeps_results
         self._prompts: dict[str, _Prompt] = {}
         # Request id -> (its key, its rows or None).
@@ -400,9 +399,10 @@ class LiveStore:
                 self.begin(plan)
             self._begun = plan
             if self._stage(plan, planned, batch_order, hidden_states, slot_mapping):
+                staged = len(self._staged_slots)
                 if (
-                    len(self._staged_slots) < MAX_DEFERRED_STEPS
-                    and self._staged_nbytes < self.max_staged_bytes
+                    staged < MAX_DEFERRED_STEPS
+                    and staged * self._step_nbytes < self.max_staged_bytes
                 ):
                     return {}
                 return self.flush()
@@ -559,12 +559,15 @@ class LiveStore:
         if self._staged_slots and len(self._staged_slots[0]) != num:
             # NOTE: staged steps are of one batch size (`_write_pending` stacks them).
             self._flushed.update(self._write_pending())
+        if not self._staged_slots:
+            # NOTE: the model's rows, on every rank (a follower stages none): every
+            # rank writes its staged steps at the same step.
+            self._step_nbytes = num * hidden_states[0].numel() * hidden_states.element_size()
         # NOTE: whole tensors when the step has no padding: a slice is one
         # more op, and right after the forward pass each kind of op is cold.
         if self.keeps_rows:
             rows = hidden_states if len(hidden_states) == num else hidden_states[:num]
             self._staged_rows.append(rows.clone())
-            self._staged_nbytes += num * self._row_nbytes
         mapping = slot_mapping if len(slot_mapping) == num else slot_mapping[:num]
         self._staged_slot_copies.append(mapping.clone())
         self._staged_slots.append(slots)
@@ -591,7 +594,6 @@ class LiveStore:
         self._staged_rows, self._staged_slot_copies, self._staged_orders = [], [], []
         self._staged_slots, self._staged_keys = [], []
         self._staged_blocks = set()
-        self._staged_nbytes = 0
         keys: dict[int, BlockHash] = {}
         for step_keys in keys_of:
             keys.update(step_keys)
