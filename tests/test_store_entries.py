@@ -7,6 +7,7 @@ store fed from CUDA tensors and a pinned CPU store fed from CUDA tensors.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from helpers import DeviceConfig, block_slots, key
@@ -16,6 +17,7 @@ import omnicache
 import omnicache.store
 from omnicache.block_pool import BlockPool
 from omnicache.store import HIDDEN_STATES, EntrySpec, StoreCapacityError, TensorStore
+from omnicache.store.blocks import SMALL_BLOCK_IDS
 
 # -- construction and registration -------------------------------------------
 
@@ -162,6 +164,16 @@ def test_invalidate(cfg: DeviceConfig) -> None:
         ).stamped_block_ids
         == ()
     )
+    # More ids than the small path takes, or ids of numpy's type: the general
+    # path, to the same effect.
+    store.write_outputs(
+        block_slots([1, 2], 4), hidden_states=rows(cfg, 8, 3), block_keys={1: key(1), 2: key(2)}
+    )
+    store.invalidate([2] * (SMALL_BLOCK_IDS + 1))
+    assert store.probe([1, 2], [key(1), key(2)]) == 1
+    store.invalidate((np.int64(1),))
+    assert store.probe([1], [key(1)]) == 0
+    store.write_outputs(block_slots([1], 4), hidden_states=rows(cfg, 4, 3), block_keys={1: key(1)})
     store.invalidate_all()
     assert store.probe([1], [key(1)]) == 0
     with pytest.raises(IndexError, match=r"block_ids\[1\]: expected 0..7, found -1"):

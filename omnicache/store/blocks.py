@@ -39,6 +39,26 @@ def block_id_array(
     return ids
 
 
+SMALL_BLOCK_IDS = 32
+"""Block ids of at most this many are handled as Python ints (`small_block_ids`)."""
+
+
+def small_block_ids(block_ids: list[int], num_blocks: int) -> list[int] | None:
+    """``block_ids`` if they are few, of type int and in range; else None (`block_id_array`).
+
+    NOTE: a decode step clears the stamps of a block or two, and numpy's
+    per-call work (right after a forward pass, cold) costs a hundred times
+    the clearing. None hands the ids to the general path, which raises the
+    errors.
+    """
+    if len(block_ids) > SMALL_BLOCK_IDS:
+        return None
+    for block_id in block_ids:
+        if type(block_id) is not int or not 0 <= block_id < num_blocks:
+            return None
+    return block_ids
+
+
 def hit_blocks(
     block_ids: Sequence[int],
     block_keys: Sequence[BlockHash],

@@ -83,9 +83,15 @@ class Staging:
         # handed out (None: none did).
         self._owner: list[str | None] = [None] * layout.num_blocks
 
-    def handed_out(self, block_ids: IntArray | int) -> None:
+    def handed_out(self, block_ids: IntArray | list[int] | int) -> None:
         """The store was told the (checked) blocks were handed out again."""
         self._mark += 1
+        if isinstance(block_ids, list):
+            # NOTE: a few ids (`blocks.small_block_ids`): no numpy call.
+            for block_id in block_ids:
+                self._changed_at[block_id] = self._mark
+                self._owner[block_id] = None
+            return
         self._changed_at[block_ids] = self._mark
         if isinstance(block_ids, np.ndarray):
             for block_id in block_ids.tolist():

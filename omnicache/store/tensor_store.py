@@ -18,6 +18,7 @@ from omnicache.store.blocks import (
     check_block_id,
     check_block_keys,
     request_spans,
+    small_block_ids,
 )
 from omnicache.store.copies import sync
 from omnicache.store.entries import (
@@ -247,7 +248,14 @@ class TensorStore(DeferredMethods, ReadMethods):
         The blocks count as handed out again: rows staged for them before
         are refused by `commit`.
         """
-        ids = block_id_array("block_ids", list(block_ids), self.num_blocks, distinct=False)
+        given = list(block_ids)
+        small = small_block_ids(given, self.num_blocks)
+        if small is not None:
+            for block_id in small:
+                clear_blocks(self._entries.values(), block_id)
+            self._staging.handed_out(small)
+            return
+        ids = block_id_array("block_ids", given, self.num_blocks, distinct=False)
         clear_blocks(self._entries.values(), ids)
         self._staging.handed_out(ids)
 
