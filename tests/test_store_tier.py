@@ -169,8 +169,8 @@ class WriteCase(NamedTuple):
 WRITE_CASES = [
     # 10 rows: blocks 2 and 5 whole, block 7 with 2 rows.
     WriteCase("small", 8, [2, 5, 7], 2, True),
-    # 302 rows, beyond the small path's 256: 75 whole blocks and 2 rows.
-    WriteCase("general", 128, [(7 * i) % 128 for i in range(76)], 2, False),
+    # 522 rows, beyond the small path's 512: 130 whole blocks and 2 rows.
+    WriteCase("general", 256, [(7 * i) % 256 for i in range(131)], 2, False),
 ]
 
 
@@ -313,7 +313,7 @@ def test_decode_steps_offer_each_block_once_when_its_last_row_lands(
 
 @pytest.mark.parametrize(
     ("num_blocks", "block_ids", "small_path"),
-    [(8, [6, 2, 5], True), (128, list(range(100, 20, -1)), False)],
+    [(8, [6, 2, 5], True), (256, list(range(200, 60, -1)), False)],
     ids=["small", "general"],
 )
 def test_a_write_that_revisits_a_block_offers_it_once(
@@ -977,7 +977,7 @@ def test_a_tier_that_answers_rows_the_store_cannot_take_is_a_counted_logged_miss
 
 @pytest.mark.parametrize(
     ("num_blocks", "block_ids", "small_path"),
-    [(8, [2, 5], True), (128, list(range(3, 73)), False)],
+    [(8, [2, 5], True), (256, list(range(3, 143)), False)],
     ids=["small", "general"],
 )
 def test_a_tier_whose_put_raises_loses_only_its_copy(
