@@ -40,14 +40,18 @@ def slots_of(plan: StepPlan, order: list[str], padding: int = 0) -> torch.Tensor
     by_id = {item.req_id: item for item in plan.requests}
     slots = planned_slots([by_id[req_id] for req_id in order], BS)
     assert slots is not None
-    return torch.from_numpy(np.concatenate([slots, np.full(padding, -1, dtype=np.int64)]))
+    return torch.tensor(slots + [-1] * padding, dtype=torch.int64)
 
 
 def test_block_ids_and_planned_slots() -> None:
     assert block_ids_of(np.array([6, 7, 12, 13], dtype=np.int64), BS) == (1, 3)
     assert block_ids_of(np.zeros(0, dtype=np.int64), BS) == ()
     plan = [PlannedRequest("a", 2, 4, (5, 2)), PlannedRequest("b", 8, 1, (3,))]
-    assert planned_slots(plan, BS).tolist() == [22, 23, 8, 9, 12]  # type: ignore[union-attr]
+    assert planned_slots(plan, BS) == [22, 23, 8, 9, 12]
+    # From the middle of a block across two more; a request without tokens adds none.
+    across = [PlannedRequest("c", 3, 6, (7, 1, 9)), PlannedRequest("d", 5, 0)]
+    assert planned_slots(across, BS) == [31, 4, 5, 6, 7, 36]
+    assert planned_slots([PlannedRequest("c", 3, 6, (7, 1))], BS) is None
     assert planned_slots([PlannedRequest("a", 0, 2)], BS) is None
     assert planned_slots([PlannedRequest("a", 0, 5, (1,))], BS) is None
 
@@ -416,6 +420,21 @@ def test_decode_steps_write_their_rows_before_anything_reads_the_store() -> None
     assert live.stats.num_rows_written == 2 * BS + 1 + 1 + MAX_DEFERRED_STEPS
     live.flush()
     assert live.stats.num_rows_written == 2 * BS + 1 + 1 + MAX_DEFERRED_STEPS + 1
+
+
+def test_a_decode_step_with_rows_of_other_requests_is_refused_after_the_staged_rows() -> None:
+    live = new_live()
+    # "a" decodes positions 4..7 into block 2, completing it.
+    for position in range(4, 8):
+        plan = decode_step({"a": (position, 2)}, {2: K[2]} if position == 7 else {})
+        assert live.apply(plan, ["a"], rows(position, 1), slots_of(plan, ["a"])) == {}
+    plan = decode_step({"a": (8, 3)}, {})
+    with pytest.raises(RuntimeError, match=r"expected rows of the planned requests \['a'\]"):
+        live.apply(plan, ["b"], rows(8, 1), slots_of(plan, ["a"]))
+    # The staged steps were written first: block 2 holds a's rows, stamped.
+    assert live.store.stamp_of(HIDDEN_STATES, 2) == K[2]
+    assert torch.equal(live.store.read_blocks(HIDDEN_STATES, [2], [K[2]]), rows(4, 4))
+    assert live.stats.num_rows_written == 4
 
 
 def test_deferred_rows_at_slots_other_than_planned_stamp_nothing_of_their_step() -> None:

@@ -51,9 +51,8 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, cast
 
-import numpy as np
 import torch
 
 from omnicache.block_hash import BlockHash
@@ -159,6 +158,16 @@ class _Prompt:
         return torch.cat([part for _, part in self.chunks])[:num_rows]
 
 
+# A decode step whose rows wait to be written (`LiveStore._stage`): copies of
+# its rows (None in a follower's store) and of its slot mapping, made on
+# their device; its planned slots in the rows' order, its plan's keys and
+# the rows' request ids. NOTE: a tuple: right after the forward pass, the
+# host's every kind of work is cold, a class's constructor one more.
+_StagedStep = tuple[
+    torch.Tensor | None, torch.Tensor, list[int], Mapping[int, BlockHash], Sequence[str]
+]
+
+
 def _nbytes(rows: torch.Tensor) -> int:
     return rows.numel() * rows.element_size()
 
@@ -258,26 +267,20 @@ class LiveStore:
             )
         self.share = share
         self._mark_rows = torch.zeros((0, 1), dtype=FOLLOWER_DTYPE)
-        # Decode steps whose rows wait to be written (`_stage`), one entry a
-        # step: a copy of its rows (none in a follower) and of its slot
-        # mapping, on their device; its planned slots, batch order and plan's
-        # keys. And the blocks a write in `begin` stamped (saved to the tier
-        # by `apply`).
-        self._staged_rows: list[torch.Tensor] = []
-        self._staged_slot_copies: list[torch.Tensor] = []
-        self._staged_slots: list[list[int]] = []
-        self._staged_orders: list[Sequence[str]] = []
+        # Decode steps whose rows wait to be written (`_stage`), one a step.
+        # And the blocks a write in `begin` stamped (saved to the tier by `apply`).
+        self._staged: list[_StagedStep] = []
         # The blocks of the staged steps' planned slots (`_clears_staged`).
         self._staged_blocks: set[int] = set()
-        self._staged_keys: list[Mapping[int, BlockHash]] = []
+        # The staged steps written together (`MAX_DEFERRED_STEPS`, or fewer
+        # when their rows would take ``max_staged_bytes``): set as they start.
+        self._max_staged_steps = MAX_DEFERRED_STEPS
         self._flushed: dict[int, BlockHash] = {}
         self.store = store
         self.tier = tier
         self.scorer = scorer
         self.max_results = check_int("max_results", max_results, minimum=1)
         self.max_staged_bytes = check_int("max_staged_bytes", max_staged_bytes, minimum=0)
-        # The bytes of a staged step's rows (the staged steps are of one batch size).
-        self._step_nbytes = 0
         self.keeps_results = keeps_results
         self._prompts: dict[str, _Prompt] = {}
         # Request id -> (its key, its rows or None).
@@ -300,7 +303,7 @@ class LiveStore:
         if self._begun is plan:
             return
         self._begun = plan
-        if self._staged_slots and (
+        if self._staged and (
             self._decode_slots(plan) is None or self._clears_staged(plan.cleared_block_ids)
         ):
             # NOTE: the staged rows were written before anything this plan does.
@@ -391,24 +394,15 @@ class LiveStore:
         """
         store = self.store
         self._stats.num_steps += 1
-        planned = None if hidden_states is None else self._decode_slots(plan)
-        if planned is not None and slot_mapping is not None and hidden_states is not None:
-            # NOTE: for such a plan, `begin` only clears stamps (before its rows,
-            # as always), writing the staged rows first if any is in a cleared block.
-            if plan.cleared_block_ids:
-                self.begin(plan)
-            self._begun = plan
-            if self._stage(plan, planned, batch_order, hidden_states, slot_mapping):
-                staged = len(self._staged_slots)
-                if (
-                    staged < MAX_DEFERRED_STEPS
-                    and staged * self._step_nbytes < self.max_staged_bytes
-                ):
-                    return {}
-                return self.flush()
-            # Rows of other requests than planned: refused below, after the staged ones.
-            self._flushed.update(self._write_pending())
+        if hidden_states is not None and slot_mapping is not None:
+            decode = self._decode_slots(plan, batch_order)
+            if decode is not None:
+                return self._stage(plan, decode, batch_order, hidden_states, slot_mapping)
         self.begin(plan)
+        if self._staged:
+            # NOTE: rows of other requests than planned, or without their slots:
+            # refused below, after the staged rows are written.
+            self._flushed.update(self._write_pending())
         batch = []
         stamped = self._flushed
         self._flushed = {}
@@ -498,19 +492,30 @@ class LiveStore:
             )
         return batch  # type: ignore[return-value]
 
-    def _decode_slots(self, plan: StepPlan) -> dict[str, int] | None:
-        """Each request's slot when the step's rows may wait to be written; None if they may not.
+    def _decode_slots(
+        self, plan: StepPlan, batch_order: Sequence[str] | None = None
+    ) -> tuple[list[int], list[int]] | None:
+        """Each row's planned slot and block when the step's rows may wait to be written.
 
         Such a step is a decode step that only writes: one new token a request,
         in a planned block; no hit, no prompt gathered, nothing loaded,
         invalidated or finished, no reset (it may clear stamps of blocks
-        handed out again). It reads nothing of the store, and the next step
-        that does, or that clears a block holding staged rows, writes the
-        waiting rows first (`begin`), so whatever reads the store finds what
-        writing every step at once would have left. Their rows are written
-        together (`_write_pending`).
+        handed out again); rows of the planned requests. It reads nothing of
+        the store, and the next step that does, or that clears a block
+        holding staged rows, writes the waiting rows first (`begin`), so
+        whatever reads the store finds what writing every step at once would
+        have left. Their rows are written together (`_write_pending`).
+
+        Args:
+            plan: the step's plan.
+            batch_order: the rows' request ids (None: the slots in the plan's order).
+
+        Returns:
+            The slots and blocks in the rows' order; None if the step's rows
+            are written now.
         """
-        if not (plan.caching and plan.requests) or (
+        requests = plan.requests
+        if not (plan.caching and requests) or (
             plan.reset
             or plan.invalidated_block_ids
             or plan.finished_req_ids
@@ -518,18 +523,29 @@ class LiveStore:
             or plan.loads
         ):
             return None
+        if batch_order is not None and len(batch_order) != len(requests):
+            return None
         prompts, bs = self._prompts, self.store.block_size
-        slots: dict[str, int] = {}
-        for item in plan.requests:
-            if (
-                item.num_new != 1
-                or item.hit_block_ids
-                or not item.block_ids
-                or item.req_id in prompts
-            ):
+        if prompts and not prompts.keys().isdisjoint(item.req_id for item in requests):
+            return None
+        ids: list[str] = []
+        blocks: list[int] = []
+        slots: list[int] = []
+        for item in requests:
+            if item.num_new != 1 or item.hit_block_ids or not item.block_ids:
                 return None
-            slots[item.req_id] = item.block_ids[0] * bs + item.start % bs
-        return slots
+            block = item.block_ids[0]
+            ids.append(item.req_id)
+            blocks.append(block)
+            slots.append(block * bs + item.start % bs)
+        if batch_order is None or ids == batch_order:
+            return slots, blocks
+        # NOTE: the model runner's batch order is not the scheduler's once a
+        # request left the batch.
+        slot_of = dict(zip(ids, slots, strict=True))
+        if len(slot_of) != len(batch_order) or slot_of.keys() != set(batch_order):
+            return None
+        return [slot_of[req_id] for req_id in batch_order], blocks
 
     def _clears_staged(self, block_ids: Sequence[int]) -> bool:
         """Whether any of ``block_ids`` holds staged rows (at their planned slots)."""
@@ -538,45 +554,51 @@ class LiveStore:
     def _stage(
         self,
         plan: StepPlan,
-        planned: dict[str, int],
+        decode: tuple[list[int], list[int]],
         batch_order: Sequence[str],
         hidden_states: torch.Tensor,
         slot_mapping: torch.Tensor,
-    ) -> bool:
-        """Keeps a decode step's rows until they are written; False if it cannot.
+    ) -> dict[int, BlockHash]:
+        """`apply` of a decode step whose rows may wait to be written; the blocks stamped.
 
-        ``planned``: each request's slot (`_decode_slots`). The step keeps
-        copies of its rows and of its slot mapping, made on their device:
-        reading a value of either would make a GPU step wait for the forward
-        pass, and vLLM reuses both buffers. `_write_pending` compares the
-        slots with the plan's.
+        ``decode``: the rows' slots and blocks (`_decode_slots`). The step
+        keeps copies of its rows and of its slot mapping, made on their
+        device: reading a value of either would make a GPU step wait for the
+        forward pass, and vLLM reuses both buffers. `_write_pending` compares
+        the slots with the plan's.
         """
-        num = len(planned)
-        # NOTE: map, not a comprehension: a new frame is one more cold thing.
-        slots: list[int] = list(map(planned.get, batch_order))  # type: ignore[arg-type]
-        if len(slots) != num or None in slots:
-            return False
-        if self._staged_slots and len(self._staged_slots[0]) != num:
+        # NOTE: `begin` of such a plan only clears stamps (before its rows, as
+        # always), writing the staged rows first if any is in a cleared block.
+        if plan.cleared_block_ids:
+            self.begin(plan)
+        self._begun = plan
+        slots, blocks = decode
+        num = len(slots)
+        staged = self._staged
+        if staged and len(staged[0][2]) != num:
             # NOTE: staged steps are of one batch size (`_write_pending` stacks them).
             self._flushed.update(self._write_pending())
-        if not self._staged_slots:
+            staged = self._staged
+        if not staged:
             # NOTE: the model's rows, on every rank (a follower stages none): every
             # rank writes its staged steps at the same step.
-            self._step_nbytes = num * hidden_states[0].numel() * hidden_states.element_size()
+            step_nbytes = num * hidden_states[0].numel() * hidden_states.element_size()
+            self._max_staged_steps = min(
+                MAX_DEFERRED_STEPS, -(-self.max_staged_bytes // max(step_nbytes, 1))
+            )
         # NOTE: whole tensors when the step has no padding: a slice is one
         # more op, and right after the forward pass each kind of op is cold.
+        rows = None
         if self.keeps_rows:
-            rows = hidden_states if len(hidden_states) == num else hidden_states[:num]
-            self._staged_rows.append(rows.clone())
+            rows = (hidden_states if len(hidden_states) == num else hidden_states[:num]).clone()
         mapping = slot_mapping if len(slot_mapping) == num else slot_mapping[:num]
-        self._staged_slot_copies.append(mapping.clone())
-        self._staged_slots.append(slots)
+        staged.append((rows, mapping.clone(), slots, plan.block_keys, batch_order))
         # NOTE: kept as steps come, not gathered when asked: with a large batch
         # and small blocks, most decode steps clear blocks.
-        self._staged_blocks.update(map(self.store.block_size.__rfloordiv__, slots))
-        self._staged_orders.append(batch_order)
-        self._staged_keys.append(plan.block_keys)
-        return True
+        self._staged_blocks.update(blocks)
+        if len(staged) < self._max_staged_steps:
+            return {}
+        return self.flush()
 
     def _write_pending(self) -> dict[int, BlockHash]:
         """Writes the staged decode steps' rows; the blocks stamped.
@@ -587,31 +609,32 @@ class LiveStore:
         each step in order, as if written when computed: a step at other
         slots than planned without keys (`_write`).
         """
-        if not self._staged_slots:
+        staged = self._staged
+        if not staged:
             return {}
-        planned, copies, keys_of = self._staged_slots, self._staged_slot_copies, self._staged_keys
-        staged_rows, orders = self._staged_rows, self._staged_orders
-        self._staged_rows, self._staged_slot_copies, self._staged_orders = [], [], []
-        self._staged_slots, self._staged_keys = [], []
+        self._staged = []
         self._staged_blocks = set()
         keys: dict[int, BlockHash] = {}
-        for step_keys in keys_of:
-            keys.update(step_keys)
+        for entry in staged:
+            keys.update(entry[3])
+        planned = [step[2] for step in staged]
+        steps, num = len(planned), len(planned[0])
         # NOTE: the one read of the staged slots (on a GPU, the one wait); cat,
         # not stack: stack adds a view op a step.
-        steps, num = len(planned), len(planned[0])
-        actual = torch.cat(copies).to("cpu", torch.int64).view(steps, num)
-        by_request = [slot for request in zip(*planned, strict=True) for slot in request]
-        one_order = all(order == orders[0] for order in orders)
-        if one_order and actual.t().reshape(-1).tolist() == by_request:
+        by_step: list[list[int]] = (
+            torch.cat([step[1] for step in staged]).to("cpu", torch.int64).view(steps, num).tolist()
+        )
+        first_order = staged[0][4]
+        if by_step == planned and all(step[4] == first_order for step in staged):
+            by_request = [slot for slots in zip(*planned, strict=True) for slot in slots]
             if self.keeps_rows:
-                rows = torch.stack(staged_rows, dim=1).view(num * steps, -1)
+                copies = cast("list[torch.Tensor]", [step[0] for step in staged])
+                rows = torch.stack(copies, dim=1).view(num * steps, -1)
             else:
                 rows = self._marks(num * steps)
             result = self.store.write(HIDDEN_STATES, rows, by_request, block_keys=keys)
             self._stats.num_rows_written += num * steps
             return {block_id: keys[block_id] for block_id in result.stamped_block_ids}
-        by_step: list[list[int]] = actual.tolist()
         num_slots = self.store.num_slots
         for step, slots in enumerate(by_step):
             if not all(0 <= slot < num_slots for slot in slots):
@@ -627,7 +650,8 @@ class LiveStore:
             if slots != planned[step]:
                 self._stats.num_slot_mismatches += 1
                 step_keys = {}
-            rows = staged_rows[step] if self.keeps_rows else self._marks(num)
+            copy = staged[step][0]
+            rows = self._marks(num) if copy is None else copy
             result = self.store.write(HIDDEN_STATES, rows, slots, block_keys=step_keys)
             self._stats.num_rows_written += num
             for block_id in result.stamped_block_ids:
@@ -650,8 +674,8 @@ class LiveStore:
         num_rows = sum(item.num_new for item in batch)
         slots = slot_mapping[:num_rows].to("cpu", torch.int64).numpy()
         planned = planned_slots(batch, self.store.block_size)
-        keys = dict(plan.block_keys)
-        if planned is None or not np.array_equal(planned, slots):
+        keys = plan.block_keys
+        if planned != slots.tolist():
             # NOTE: rows written without keys clear the stamps of every block
             # they touch: the scheduler's mirror may then promise a hit the
             # worker cannot serve, which the read check counts.

@@ -130,23 +130,29 @@ def block_ids_of(slots: npt.NDArray[np.int64], block_size: int) -> tuple[int, ..
     return tuple(int(block_id) for block_id in ids[first])
 
 
-def planned_slots(
-    requests: Sequence[PlannedRequest], block_size: int
-) -> npt.NDArray[np.int64] | None:
-    """The slots of the step's rows, request after request; None if any request lacks blocks."""
-    parts: list[npt.NDArray[np.int64]] = []
+def planned_slots(requests: Sequence[PlannedRequest], block_size: int) -> list[int] | None:
+    """The slots of the step's rows, request after request; None if any request lacks blocks.
+
+    NOTE: Python ints, a range a block: a worker computes them right after
+    the forward pass, where each of numpy's calls is cold and costs more
+    than a step's few blocks of slots.
+    """
+    slots: list[int] = []
     for item in requests:
-        if item.num_new == 0:
+        position, end = item.start, item.start + item.num_new
+        if position == end:
             continue
-        if not item.block_ids:
-            return None
-        positions = np.arange(item.start, item.start + item.num_new, dtype=np.int64)
-        ids = np.asarray(item.block_ids, dtype=np.int64)
-        index = positions // block_size - item.start // block_size
-        if index[-1] >= len(ids):
-            return None
-        parts.append(ids[index] * block_size + positions % block_size)
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        block_ids = item.block_ids
+        first = position // block_size
+        while position < end:
+            block = position // block_size
+            if block - first >= len(block_ids):
+                return None
+            stop = min(end, (block + 1) * block_size)
+            base = (block_ids[block - first] - block) * block_size
+            slots.extend(range(base + position, base + stop))
+            position = stop
+    return slots
 
 
 def asks(req_id: str, sampling_params: Any) -> str | None:
