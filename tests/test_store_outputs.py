@@ -303,10 +303,10 @@ def test_write_step_equals_write_outputs_then_stage_outputs(cfg: DeviceConfig, s
         num_blocks = 8
         step = small_step(cfg)
     else:
-        # 300 rows, beyond the small-write path: 3 requests of 100 tokens.
-        num_blocks = 96
-        tables = [list(range(0, 25)), list(range(30, 55)), list(range(60, 85))]
-        requests = [ScheduledRequest(f"r{i}", 100, 8) for i in range(3)]
+        # 600 rows, beyond the small-write path: 3 requests of 200 tokens.
+        num_blocks = 180
+        tables = [list(range(0, 50)), list(range(60, 110)), list(range(120, 170))]
+        requests = [ScheduledRequest(f"r{i}", 200, 8) for i in range(3)]
         slot_mapping = [s for t in tables for s in block_slots(t, 4)]
         n = len(slot_mapping)
         step = Step(

@@ -40,7 +40,7 @@ def test_write_paths_are_chosen_from_the_slot_layout() -> None:
 
 def test_small_segments_accepts_exactly_small_valid_distinct_slots() -> None:
     def small(mapping: object, num_tokens: Any) -> SmallSegments | None:
-        return slot_cuts.small_segments(mapping, num_tokens, 128 * 4, 4)
+        return slot_cuts.small_segments(mapping, num_tokens, 256 * 4, 4)
 
     limit = SMALL_WRITE_MAX_ROWS
     scattered = [b * 4 + 1 for b in range(limit)]
@@ -79,7 +79,7 @@ def test_small_segments_accepts_exactly_small_valid_distinct_slots() -> None:
         ([1, 2], 0),
         ([1, 2], 3),
         ([1, 2], True),
-        ([512], None),
+        ([1024], None),
         ([-1], None),
         ([3, 3], None),
         ([3, 1, 3], None),
