@@ -168,6 +168,9 @@ def test_raw_logits_mode_scores_as_vllm_does(text_model: Path, in_process: None)
     }
     assert runs["store"]["hits"] == [0, len(PREFIX), len(PREFIX)]
     assert runs["store"]["stats"]["num_scored_tokens"] == 2 * len(PREFIX)
+    # In process, the second wave's two requests start in one step: the
+    # prefix's blocks they both hit are read once.
+    assert runs["store"]["stats"]["store_num_hit_blocks_read"] == len(PREFIX) // live.BLOCK_SIZE
     for got, want in zip(
         runs["store"]["prompt_logprobs"], runs["off"]["prompt_logprobs"], strict=True
     ):

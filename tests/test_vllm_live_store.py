@@ -231,12 +231,14 @@ def test_hits_are_vllms_own_and_every_hit_read_its_stamped_rows(
     assert stats["num_hit_blocks"] == sum(hits) // live.BLOCK_SIZE
     assert stats["num_hit_requests"] == sum(1 for hit in hits if hit)
     # Each hit block was read once in its step, however many of the step's
-    # requests hit it: at least once per wave (whose requests reach the
-    # engine core over one or more steps, as the multiprocess timing falls),
-    # and fewer times than the hits' blocks (some of a wave's requests share
-    # blocks and start in one step).
+    # requests hit it: at least once per wave, and at most once per hit.
+    # NOTE: a wave's requests reach the engine core over one or more steps, as
+    # the multiprocess timing falls, so how many of them start together (and
+    # share a read) is the timing's; in process it is not, and
+    # test_vllm_live_scoring checks that two requests starting in one step
+    # read their shared blocks once.
     reads = stats["store_num_hit_blocks_read"]
-    assert distinct_hit_blocks(hits) <= reads < stats["num_hit_blocks"]
+    assert distinct_hit_blocks(hits) <= reads <= stats["num_hit_blocks"]
     assert stats["num_stale_hit_blocks"] == 0
     assert stats["store_num_stale_reads"] == 0
     assert stats["num_slot_mismatches"] == 0
