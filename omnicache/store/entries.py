@@ -161,9 +161,18 @@ def check_capacity(
         )
 
 
-def clear_blocks(entries: Iterable[Entry], ids: IntArray | int | slice) -> None:
-    """Clears the stamps and fill counts of blocks ``ids`` (checked) in ``entries``."""
+def clear_blocks(entries: Iterable[Entry], ids: IntArray | list[int] | int | slice) -> None:
+    """Clears the stamps and fill counts of blocks ``ids`` (checked) in ``entries``.
+
+    A list holds a few ids (`blocks.small_block_ids`): cleared one by one,
+    without a numpy call.
+    """
     for entry in entries:
+        if isinstance(ids, list):
+            for block_id in ids:
+                entry.stamps[block_id] = None
+                entry.filled[block_id] = 0
+            continue
         entry.stamps[ids] = None
         entry.filled[ids] = 0
 

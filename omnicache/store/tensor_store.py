@@ -249,13 +249,9 @@ class TensorStore(DeferredMethods, ReadMethods):
         are refused by `commit`.
         """
         given = list(block_ids)
-        small = small_block_ids(given, self.num_blocks)
-        if small is not None:
-            for block_id in small:
-                clear_blocks(self._entries.values(), block_id)
-            self._staging.handed_out(small)
-            return
-        ids = block_id_array("block_ids", given, self.num_blocks, distinct=False)
+        ids: slot_cuts.IntArray | list[int] | None = small_block_ids(given, self.num_blocks)
+        if ids is None:
+            ids = block_id_array("block_ids", given, self.num_blocks, distinct=False)
         clear_blocks(self._entries.values(), ids)
         self._staging.handed_out(ids)
 
