@@ -10,9 +10,10 @@ Every check compares exactly (torch.equal, or bit patterns) against the rows
 that were written; any mismatch is printed and the script exits 1. The
 configurations with the store on the CPU also drive the worker's
 `LiveStore` as the worker does (rows and slot mappings on the model's
-device: a prefill, decode steps staged and written together, a hit asking
-for its rows), and on CUDA a timing shows whether a decode step's store
-work waits for the forward pass (CUDA events). Then it
+device: a prefill and decode steps staged and written together, a hit
+asking for its rows), and on CUDA a timing shows whether a decode step's
+and a prefill step's store work waits for the forward pass (CUDA events).
+Then it
 prints write and merged-read bandwidth for the 8192 x 4096 bf16 workload on
 the fastest device here, next to a plain copy_ and the reference approach
 (flat[slots] = hs; cache[block_ids].reshape then torch.cat), each variant
@@ -220,7 +221,7 @@ def check_config(cfg: Config, tokens: int, hidden: int, bs: int, chk: Checker) -
 
 def check_live_store(cfg: Config, hidden: int, bs: int, chk: Checker) -> None:
     """`LiveStore` as the worker drives it: rows and slots from the model's device, the
-    store on the CPU; a prefill, staged decode steps, then a hit asking for its rows."""
+    store on the CPU; a prefill and decode steps, staged, then a hit asking for its rows."""
     dev, dtype = cfg.source_device, torch.bfloat16
     gen = torch.Generator().manual_seed(2)
     live = LiveStore(TensorStore(64, bs, hidden_size=hidden, hidden_dtype=dtype), max_results=8)
@@ -235,7 +236,7 @@ def check_live_store(cfg: Config, hidden: int, bs: int, chk: Checker) -> None:
         block_keys={b: keys[b] for b in a_blocks[:3]},
     )
     live.apply(first, ["a"], rows[:prompt].to(dev), slots_of(list(a_blocks[:3]), bs).to(dev))
-    for pos in range(prompt, prompt + bs):  # decode steps: staged, then written together
+    for pos in range(prompt, prompt + bs):  # decode steps: staged with the prefill
         step = StepPlan(
             caching=True,
             requests=(PlannedRequest("a", pos, 1, (4,)),),
@@ -244,7 +245,10 @@ def check_live_store(cfg: Config, hidden: int, bs: int, chk: Checker) -> None:
         live.apply(
             step, ["a"], rows[pos : pos + 1].to(dev), torch.tensor([4 * bs + pos % bs]).to(dev)
         )
-    chk.expect(live.store.stamp_of(HIDDEN_STATES, 4) is None, f"{label}: decode rows staged")
+    chk.expect(
+        live.stats.num_rows_written == 0 and live.store.stamp_of(HIDDEN_STATES, 1) is None,
+        f"{label}: prefill and decode rows staged",
+    )
     hit = StepPlan(
         caching=True,
         requests=(
@@ -267,38 +271,52 @@ def check_live_store(cfg: Config, hidden: int, bs: int, chk: Checker) -> None:
 
 
 def live_store_timing(hidden: int, bs: int, reps: int) -> None:
-    """Whether a decode step's store work waits for the GPU: a matmul stands for the forward
-    pass, `LiveStore.apply` follows on the host; CUDA events time both."""
+    """Whether a step's store work waits for the GPU: a matmul stands for the forward pass,
+    `LiveStore.apply` follows on the host; CUDA events time both. Decode steps (one row),
+    then prefill steps (a 512-token chunk each, 8 of them staged at most)."""
     dev, dtype = "cuda", torch.bfloat16
-    live = LiveStore(TensorStore(4096, bs, hidden_size=hidden, hidden_dtype=dtype), max_results=8)
+    live = LiveStore(
+        TensorStore(4096, bs, hidden_size=hidden, hidden_dtype=dtype),
+        max_results=8,
+        max_staged_bytes=8 * 512 * hidden * 2,
+    )
     weight = torch.randn(hidden, hidden, device=dev, dtype=dtype)
     x = torch.randn(8192, hidden, device=dev, dtype=dtype)
-    host_ms: list[float] = []
-    gpu_ms: list[float] = []
-    for step in range(reps * 16):
-        pos, block = step % bs, 2 + step // bs
-        plan = StepPlan(caching=True, requests=(PlannedRequest("a", 64 + step, 1, (block,)),))
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = x @ weight  # the step's forward pass
-        end.record()
-        slot = torch.tensor([block * bs + pos], device=dev)
+    chunk, first_block = 512, 2 + reps * 16 // bs + 1
+    for kind in ("decode", "prefill"):
+        host_ms: list[float] = []
+        gpu_ms: list[float] = []
+        for step in range(reps * 16 if kind == "decode" else reps):
+            if kind == "decode":
+                pos, block = step % bs, 2 + step // bs
+                planned = PlannedRequest("a", 64 + step, 1, (block,))
+                slots = torch.tensor([block * bs + pos])
+            else:
+                blocks = [first_block + step * chunk // bs + i for i in range(chunk // bs)]
+                planned = PlannedRequest(f"p{step}", 0, chunk, tuple(blocks))
+                slots = slots_of(blocks, bs)
+            plan = StepPlan(caching=True, requests=(planned,))
+            slot_mapping = slots.to(dev)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = x @ weight  # the step's forward pass
+            end.record()
+            began = time.perf_counter()
+            live.apply(plan, [planned.req_id], out[: planned.num_new], slot_mapping)
+            host_ms.append(1e3 * (time.perf_counter() - began))
+            end.synchronize()
+            gpu_ms.append(start.elapsed_time(end))
         began = time.perf_counter()
-        live.apply(plan, ["a"], out[:1], slot)
-        host_ms.append(1e3 * (time.perf_counter() - began))
-        end.synchronize()
-        gpu_ms.append(start.elapsed_time(end))
-    staged = live.stats.num_steps - live.stats.num_rows_written
-    began = time.perf_counter()
-    live.flush()  # the staged steps' one read of their slots: it waits for the device
-    flush_ms = 1e3 * (time.perf_counter() - began)
-    print(
-        f"\nlive store, decode step on cuda (a {8192} x {hidden} matmul as the forward pass): "
-        f"apply on the host {statistics.median(host_ms):.3f} ms (median), forward "
-        f"{statistics.median(gpu_ms):.3f} ms; apply waited for the forward pass if its time "
-        f"is near the forward's. Then the write of the {staged} steps still staged: "
-        f"{flush_ms:.3f} ms"
-    )
+        live.flush()  # the staged steps' one read of their slots: it waits for the device
+        flush_ms = 1e3 * (time.perf_counter() - began)
+        print(
+            f"\nlive store, {kind} step on cuda (a {8192} x {hidden} matmul as the forward "
+            f"pass): apply on the host {statistics.median(host_ms):.3f} ms (median; max "
+            f"{max(host_ms):.3f}, a step that writes the staged ones), forward "
+            f"{statistics.median(gpu_ms):.3f} ms; apply waited for the forward pass if its "
+            f"time is near the forward's. Then the write of the steps still staged: "
+            f"{flush_ms:.3f} ms"
+        )
 
 
 # -- bandwidth -------------------------------------------------------------------

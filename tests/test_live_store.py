@@ -127,6 +127,9 @@ def test_slots_other_than_planned_stamp_nothing() -> None:
     live = new_live()
     plan = StepPlan(caching=True, requests=(PlannedRequest("a", 0, 4, (1,)),), block_keys={1: K[1]})
     live.apply(plan, ["a"], rows(0, 4), torch.tensor([8, 9, 10, 11]))
+    # A prefill step that only writes waits to be written, as a decode step does.
+    assert live.stats.num_rows_written == live.stats.num_slot_mismatches == 0
+    assert live.flush() == {}
     assert live.stats.num_slot_mismatches == 1
     assert live.store.stamp_of(HIDDEN_STATES, 1) is None
     assert live.store.stamp_of(HIDDEN_STATES, 2) is None
@@ -500,9 +503,10 @@ def test_staged_steps_of_changing_batch_and_padding_are_written_as_computed_on_e
         values = torch.cat([rows(10 * step, len(order)), rows(-1, 2)])
         for live in (leader, follower):
             assert live.apply(plan, order, values, slots_of(plan, order, padding=2)) == {}
-    # The third step's batch size wrote the first two steps' rows first.
-    assert leader.stats.num_rows_written == follower.stats.num_rows_written == 4
+    # Steps of another batch order and size wait alongside the others.
+    assert leader.stats.num_rows_written == follower.stats.num_rows_written == 0
     assert leader.flush() == follower.flush() == {2: K[2]}
+    assert leader.store.stats.num_writes == follower.store.stats.num_writes == 1
     assert leader.stats.num_rows_written == follower.stats.num_rows_written == 6
     block_2 = torch.tensor([1.0, 10.0, 20.0, 30.0])[:, None].repeat(1, HIDDEN)
     assert torch.equal(leader.store.read_blocks(HIDDEN_STATES, [2], [K[2]]), block_2)
@@ -550,10 +554,17 @@ def test_staged_rows_are_written_once_they_take_max_staged_bytes_on_every_rank()
         for name, store in (("live", live), ("follower", follower)):
             stamped = store.apply(plan, ["a"], rows(position, 1), slots_of(plan, ["a"]))
             written[name].append((store.stats.num_rows_written, stamped))
-    # The third step's rows reach the bytes: the three are written; the fourth waits.
-    assert written["live"] == written["follower"] == [(0, {}), (0, {}), (3, {}), (3, {})]
+    # The fourth step's rows would take more than the bytes: the three staged
+    # are written first, and it waits.
+    assert written["live"] == written["follower"] == [(0, {}), (0, {}), (0, {}), (3, {})]
     assert live.flush() == follower.flush() == {1: K[1]}
     assert torch.equal(live.store.read_blocks(HIDDEN_STATES, [1], [K[1]]), rows(0, BS))
+    # A step whose rows alone would take more is written at once.
+    plan = StepPlan(caching=True, requests=(PlannedRequest("b", 0, 4, (2,)),), block_keys={2: K[2]})
+    for store in (live, follower):
+        assert store.apply(plan, ["b"], rows(7, 4), slots_of(plan, ["b"])) == {2: K[2]}
+        assert store.stats.num_rows_written == 2 * BS
+    assert torch.equal(live.store.read_blocks(HIDDEN_STATES, [2], [K[2]]), rows(7, BS))
     with pytest.raises(ValueError, match="max_staged_bytes"):
         LiveStore(live.store, max_results=8, max_staged_bytes=-1)
 
@@ -565,8 +576,77 @@ def test_a_staged_step_at_a_slot_outside_the_store_is_refused_before_any_write()
         live.apply(plan, ["a"], rows(position, 1), slots_of(plan, ["a"]))
     plan = decode_step({"a": (2, 1)}, {})
     live.apply(plan, ["a"], rows(2, 1), torch.tensor([8 * BS]))
-    found = r"found \[32\] \(planned \[6\]\) in staged decode step 3 of 3"
+    found = r"found \[32\] \(planned \[6\]\) in staged step 3 of 3"
     with pytest.raises(IndexError, match=r"expected the forward pass's slots in 0\.\.31, " + found):
         live.flush()
     assert live.store.filled_of(HIDDEN_STATES, 1) == 0
     assert live.stats.num_rows_written == 0
+
+
+def test_prefill_chunks_and_decode_tokens_wait_together_until_a_hit_reads_them() -> None:
+    live = LiveStore(
+        TensorStore(16, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32), max_results=8
+    )
+    # "a" prefills 10 tokens in two chunks (blocks 1, 2, 3) while "b" decodes
+    # into block 5; the model runner's batch order is not the plan's.
+    first = StepPlan(
+        caching=True,
+        requests=(PlannedRequest("a", 0, 6, (1, 2)), PlannedRequest("b", 4, 1, (5,))),
+        block_keys={1: K[1]},
+    )
+    second = StepPlan(
+        caching=True,
+        requests=(PlannedRequest("a", 6, 4, (2, 3)), PlannedRequest("b", 5, 1, (5,))),
+        block_keys={2: K[2]},
+    )
+    a_rows = rows(100, 10)
+    assert (
+        live.apply(
+            first, ["b", "a"], torch.cat([rows(50, 1), a_rows[:6]]), slots_of(first, ["b", "a"])
+        )
+        == {}
+    )
+    # Padding after the second step's rows and slots.
+    values = torch.cat([a_rows[6:], rows(51, 1), rows(-1, 3)])
+    assert live.apply(second, ["a", "b"], values, slots_of(second, ["a", "b"], padding=3)) == {}
+    assert live.stats.num_rows_written == 0 and live.store.stamp_of(HIDDEN_STATES, 1) is None
+    # "c" hits blocks 1 and 2 and asks for its prompt's rows: the staged rows
+    # are written first (one write, every step's keys), then read.
+    hit = StepPlan(
+        caching=True,
+        requests=(PlannedRequest("c", 8, 1, (6,), (1, 2), (K[1], K[2])),),
+        prompt_requests={"c": 9},
+        result_keys={"c": "key-c"},
+    )
+    writes = live.store.stats.num_writes
+    assert live.apply(hit, ["c"], rows(900, 1), slots_of(hit, ["c"])) == {1: K[1], 2: K[2]}
+    assert live.store.stats.num_writes == writes + 2  # the staged steps', then c's
+    (c_rows,) = live.take({"c": "key-c"}).values()
+    assert torch.equal(c_rows, torch.cat([a_rows[:8], rows(900, 1)]))  # type: ignore[arg-type]
+    assert live.stats.num_stale_hit_blocks == live.stats.num_slot_mismatches == 0
+    assert live.stats.num_rows_written == 10 + 2 + 1
+    assert live.store.filled_of(HIDDEN_STATES, 3) == 2
+    assert torch.equal(live.store.cached_rows(HIDDEN_STATES)[5 * BS : 5 * BS + 2], rows(50, 2))
+    assert torch.equal(live.store.cached_rows(HIDDEN_STATES)[3 * BS : 3 * BS + 2], a_rows[8:])
+
+
+def test_a_staged_prefill_step_at_other_slots_than_planned_stamps_none_of_its_blocks() -> None:
+    live = new_live()
+    good = StepPlan(caching=True, requests=(PlannedRequest("a", 0, 4, (1,)),), block_keys={1: K[1]})
+    bad = StepPlan(
+        caching=True, requests=(PlannedRequest("b", 0, 8, (2, 3)),), block_keys={2: K[2], 3: K[3]}
+    )
+    live.apply(good, ["a"], rows(0, 4), slots_of(good, ["a"]))
+    # The second half of b's rows lands in block 6 instead of block 3.
+    found = torch.tensor([8, 9, 10, 11, 24, 25, 26, 27])
+    live.apply(bad, ["b"], rows(10, 8), found)
+    assert live.flush() == {1: K[1]}
+    assert live.stats.num_slot_mismatches == 1
+    assert [live.store.stamp_of(HIDDEN_STATES, block) for block in (1, 2, 3, 6)] == [
+        K[1],
+        None,
+        None,
+        None,
+    ]
+    assert [live.store.filled_of(HIDDEN_STATES, block) for block in (2, 3, 6)] == [BS, 0, BS]
+    assert live.stats.num_rows_written == 12

@@ -29,16 +29,17 @@ Writes come before reads because vLLM caches a block as soon as it is
 allocated: a request scheduled in the same step as the one computing a block
 can hit it, and its rows exist once the step's rows are written.
 
-A decode step that only writes keeps a copy of its rows and of its slot
-mapping, made on their device (no value of either is read: on a GPU the
-step never waits for the forward pass), until a step that reads, loads or
-finishes anything, or that clears a block holding staged rows, or until
-`MAX_DEFERRED_STEPS` of them wait or their rows take ``max_staged_bytes``.
-Then they are written first, so whatever reads the store finds what writing
-each step would have left: the staged slots are read and compared with the
-plans' there, once; if every step's match, the rows are written in one
-write with the plans' keys; otherwise step by step, in order, a step at
-other slots than planned without keys.
+A step that only writes (a prefill chunk, a decode step, or both) keeps a
+copy of its rows and of its slot mapping, made on their device (no value of
+either is read: on a GPU the step never waits for the forward pass), until
+a step that reads, loads or finishes anything, or that clears a block
+holding staged rows, or until `MAX_DEFERRED_STEPS` of them wait or one more
+step's rows would take more than ``max_staged_bytes`` (a step whose rows
+alone would is written at once). Then they are written first, so whatever
+reads the store finds what writing each step would have left: the staged
+slots are read and compared with the plans' there, once; if every step's
+match, the rows are written in one write with the plans' keys; otherwise
+step by step, in order, a step at other slots than planned without keys.
 
 Under tensor parallelism, ranks but the first keep a follower's store
 (`follower_store`): the same stamps, one byte a row.
@@ -74,7 +75,7 @@ __all__ = [
 ]
 
 MAX_DEFERRED_STEPS = 256
-"""The most decode steps whose rows wait to be written together (`LiveStore`).
+"""The most steps whose rows wait to be written together (`LiveStore`).
 
 A write's cost is mostly its fixed part (about 1 ms on a 2-core host for 4
 to 256 rows), so fewer, larger writes; ``max_staged_bytes`` bounds the
@@ -158,10 +159,10 @@ class _Prompt:
         return torch.cat([part for _, part in self.chunks])[:num_rows]
 
 
-# A decode step whose rows wait to be written (`LiveStore._stage`): copies of
-# its rows (None in a follower's store) and of its slot mapping, made on
-# their device; its planned slots in the rows' order, its plan's keys and
-# the rows' request ids. NOTE: a tuple: right after the forward pass, the
+# A step whose rows wait to be written (`LiveStore._stage`): copies of its
+# rows (None in a follower's store) and of its slot mapping, made on their
+# device; its planned slots in the rows' order, its plan's keys and the
+# rows' request ids. NOTE: a tuple: right after the forward pass, the
 # host's every kind of work is cold, a class's constructor one more.
 _StagedStep = tuple[
     torch.Tensor | None, torch.Tensor, list[int], Mapping[int, BlockHash], Sequence[str]
@@ -238,8 +239,10 @@ class LiveStore:
         keeps_results: whether this store gathers the prompt results callers
             take (only the first rank's does under tensor parallelism: its
             results are the ones taken).
-        max_staged_bytes: the staged decode steps' rows are written once
-            they take this many bytes (or `MAX_DEFERRED_STEPS` wait).
+        max_staged_bytes: the most bytes the staged steps' rows take (the
+            model's rows, counted alike on every rank): the staged rows are
+            written when one more step's would take more, and a step whose
+            rows alone would is written at once (0: every step is).
     """
 
     def __init__(
@@ -267,14 +270,13 @@ class LiveStore:
             )
         self.share = share
         self._mark_rows = torch.zeros((0, 1), dtype=FOLLOWER_DTYPE)
-        # Decode steps whose rows wait to be written (`_stage`), one a step.
-        # And the blocks a write in `begin` stamped (saved to the tier by `apply`).
+        # Steps whose rows wait to be written (`_stage`), one entry a step,
+        # the bytes of the model's rows they stand for, and the blocks of their
+        # planned slots (`_clears_staged`). And the blocks a write in `begin`
+        # stamped (saved to the tier by `apply`).
         self._staged: list[_StagedStep] = []
-        # The blocks of the staged steps' planned slots (`_clears_staged`).
+        self._staged_nbytes = 0
         self._staged_blocks: set[int] = set()
-        # The staged steps written together (`MAX_DEFERRED_STEPS`, or fewer
-        # when their rows would take ``max_staged_bytes``): set as they start.
-        self._max_staged_steps = MAX_DEFERRED_STEPS
         self._flushed: dict[int, BlockHash] = {}
         self.store = store
         self.tier = tier
@@ -304,7 +306,7 @@ class LiveStore:
             return
         self._begun = plan
         if self._staged and (
-            self._decode_slots(plan) is None or self._clears_staged(plan.cleared_block_ids)
+            self._staged_slots(plan) is None or self._clears_staged(plan.cleared_block_ids)
         ):
             # NOTE: the staged rows were written before anything this plan does.
             self._flushed.update(self._write_pending())
@@ -344,11 +346,11 @@ class LiveStore:
         return errors
 
     def flush(self) -> dict[int, BlockHash]:
-        """Writes the rows of staged decode steps now (stamping, and saving to the tier).
+        """Writes the rows of staged steps now (stamping, and saving to the tier).
 
         The store writes them itself before any step that reads, clears
         their blocks, loads or finishes, and when `MAX_DEFERRED_STEPS` wait
-        or their rows take ``max_staged_bytes``;
+        or one more step's rows would take more than ``max_staged_bytes``;
         a caller between steps calls this too (counters, the tier's flush,
         shutdown).
 
@@ -395,13 +397,21 @@ class LiveStore:
         store = self.store
         self._stats.num_steps += 1
         if hidden_states is not None and slot_mapping is not None:
-            decode = self._decode_slots(plan, batch_order)
-            if decode is not None:
-                return self._stage(plan, decode, batch_order, hidden_states, slot_mapping)
+            staged = self._staged_slots(plan, batch_order)
+            if staged is not None:
+                num = len(staged[0])
+                nbytes = num * hidden_states.shape[-1] * hidden_states.element_size()
+                if (
+                    nbytes <= self.max_staged_bytes
+                    and min(len(hidden_states), len(slot_mapping)) >= num
+                ):
+                    return self._stage(
+                        plan, staged, nbytes, batch_order, hidden_states, slot_mapping
+                    )
         self.begin(plan)
         if self._staged:
-            # NOTE: rows of other requests than planned, or without their slots:
-            # refused below, after the staged rows are written.
+            # NOTE: rows of other requests than planned, without their slots, or
+            # too many to wait: written (or refused) below, after the staged rows.
             self._flushed.update(self._write_pending())
         batch = []
         stamped = self._flushed
@@ -492,27 +502,28 @@ class LiveStore:
             )
         return batch  # type: ignore[return-value]
 
-    def _decode_slots(
+    def _staged_slots(
         self, plan: StepPlan, batch_order: Sequence[str] | None = None
     ) -> tuple[list[int], list[int]] | None:
-        """Each row's planned slot and block when the step's rows may wait to be written.
+        """Each row's planned slot, and the step's blocks, when its rows may wait to be written.
 
-        Such a step is a decode step that only writes: one new token a request,
-        in a planned block; no hit, no prompt gathered, nothing loaded,
-        invalidated or finished, no reset (it may clear stamps of blocks
-        handed out again); rows of the planned requests. It reads nothing of
-        the store, and the next step that does, or that clears a block
-        holding staged rows, writes the waiting rows first (`begin`), so
-        whatever reads the store finds what writing every step at once would
-        have left. Their rows are written together (`_write_pending`).
+        Such a step only writes: new tokens of each request (a prefill chunk
+        or a decode token) in planned blocks; no hit, no prompt gathered,
+        nothing loaded, invalidated or finished, no reset (it may clear
+        stamps of blocks handed out again); rows of the planned requests. It
+        reads nothing of the store, and the next step that does, or that
+        clears a block holding staged rows, writes the waiting rows first
+        (`begin`), so whatever reads the store finds what writing every step
+        at once would have left. Their rows are written together
+        (`_write_pending`).
 
         Args:
             plan: the step's plan.
             batch_order: the rows' request ids (None: the slots in the plan's order).
 
         Returns:
-            The slots and blocks in the rows' order; None if the step's rows
-            are written now.
+            The slots in the rows' order and the blocks they are in; None if
+            the step's rows are written now.
         """
         requests = plan.requests
         if not (plan.caching and requests) or (
@@ -532,20 +543,32 @@ class LiveStore:
         blocks: list[int] = []
         slots: list[int] = []
         for item in requests:
-            if item.num_new != 1 or item.hit_block_ids or not item.block_ids:
+            if item.hit_block_ids or not item.block_ids:
                 return None
-            block = item.block_ids[0]
             ids.append(item.req_id)
-            blocks.append(block)
-            slots.append(block * bs + item.start % bs)
+            if item.num_new == 1:
+                # NOTE: a decode token, the common case, without a call.
+                block = item.block_ids[0]
+                blocks.append(block)
+                slots.append(block * bs + item.start % bs)
+                continue
+            own = planned_slots((item,), bs)
+            if not own:
+                return None
+            blocks.extend(item.block_ids)
+            slots.extend(own)
         if batch_order is None or ids == batch_order:
             return slots, blocks
         # NOTE: the model runner's batch order is not the scheduler's once a
         # request left the batch.
-        slot_of = dict(zip(ids, slots, strict=True))
-        if len(slot_of) != len(batch_order) or slot_of.keys() != set(batch_order):
+        span: dict[str, tuple[int, int]] = {}
+        end = 0
+        for item in requests:
+            span[item.req_id] = (end, end + item.num_new)
+            end += item.num_new
+        if len(span) != len(batch_order) or span.keys() != set(batch_order):
             return None
-        return [slot_of[req_id] for req_id in batch_order], blocks
+        return [slot for req_id in batch_order for slot in slots[slice(*span[req_id])]], blocks
 
     def _clears_staged(self, block_ids: Sequence[int]) -> bool:
         """Whether any of ``block_ids`` holds staged rows (at their planned slots)."""
@@ -554,15 +577,18 @@ class LiveStore:
     def _stage(
         self,
         plan: StepPlan,
-        decode: tuple[list[int], list[int]],
+        staged_slots: tuple[list[int], list[int]],
+        nbytes: int,
         batch_order: Sequence[str],
         hidden_states: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> dict[int, BlockHash]:
-        """`apply` of a decode step whose rows may wait to be written; the blocks stamped.
+        """`apply` of a step whose rows may wait to be written; the blocks stamped.
 
-        ``decode``: the rows' slots and blocks (`_decode_slots`). The step
-        keeps copies of its rows and of its slot mapping, made on their
+        ``staged_slots``: the rows' slots and blocks (`_staged_slots`);
+        ``nbytes``: the bytes of the model's rows of the step (on every rank,
+        a follower's too, so that every rank writes at the same step). The
+        step keeps copies of its rows and of its slot mapping, made on their
         device: reading a value of either would make a GPU step wait for the
         forward pass, and vLLM reuses both buffers. `_write_pending` compares
         the slots with the plan's.
@@ -572,88 +598,91 @@ class LiveStore:
         if plan.cleared_block_ids:
             self.begin(plan)
         self._begun = plan
-        slots, blocks = decode
+        stamped: dict[int, BlockHash] = {}
+        if self._staged and self._staged_nbytes + nbytes > self.max_staged_bytes:
+            stamped = self.flush()
+        slots, blocks = staged_slots
         num = len(slots)
-        staged = self._staged
-        if staged and len(staged[0][2]) != num:
-            # NOTE: staged steps are of one batch size (`_write_pending` stacks them).
-            self._flushed.update(self._write_pending())
-            staged = self._staged
-        if not staged:
-            # NOTE: the model's rows, on every rank (a follower stages none): every
-            # rank writes its staged steps at the same step.
-            step_nbytes = num * hidden_states[0].numel() * hidden_states.element_size()
-            self._max_staged_steps = min(
-                MAX_DEFERRED_STEPS, -(-self.max_staged_bytes // max(step_nbytes, 1))
-            )
         # NOTE: whole tensors when the step has no padding: a slice is one
         # more op, and right after the forward pass each kind of op is cold.
         rows = None
         if self.keeps_rows:
             rows = (hidden_states if len(hidden_states) == num else hidden_states[:num]).clone()
         mapping = slot_mapping if len(slot_mapping) == num else slot_mapping[:num]
+        staged = self._staged
         staged.append((rows, mapping.clone(), slots, plan.block_keys, batch_order))
+        self._staged_nbytes += nbytes
         # NOTE: kept as steps come, not gathered when asked: with a large batch
         # and small blocks, most decode steps clear blocks.
         self._staged_blocks.update(blocks)
-        if len(staged) < self._max_staged_steps:
-            return {}
-        return self.flush()
+        if len(staged) >= MAX_DEFERRED_STEPS:
+            stamped.update(self.flush())
+        return stamped
 
     def _write_pending(self) -> dict[int, BlockHash]:
-        """Writes the staged decode steps' rows; the blocks stamped.
+        """Writes the staged steps' rows; the blocks stamped.
 
-        Every step's rows at their planned slots, in one batch order (the
-        normal case): one write, request by request (each block's rows then
-        come in order, a run of slots), with every step's keys. Otherwise
-        each step in order, as if written when computed: a step at other
-        slots than planned without keys (`_write`).
+        Every step's rows at their planned slots: one write with every
+        step's keys; decode steps of one batch order (the common case)
+        request by request (each block's rows then come in order, a run of
+        slots), others step after step. Otherwise each step in order, as if
+        written when computed: a step at other slots than planned without
+        keys (`_write`).
         """
         staged = self._staged
         if not staged:
             return {}
         self._staged = []
+        self._staged_nbytes = 0
         self._staged_blocks = set()
         keys: dict[int, BlockHash] = {}
         for entry in staged:
             keys.update(entry[3])
-        planned = [step[2] for step in staged]
-        steps, num = len(planned), len(planned[0])
-        # NOTE: the one read of the staged slots (on a GPU, the one wait); cat,
-        # not stack: stack adds a view op a step.
-        by_step: list[list[int]] = (
-            torch.cat([step[1] for step in staged]).to("cpu", torch.int64).view(steps, num).tolist()
-        )
-        first_order = staged[0][4]
-        if by_step == planned and all(step[4] == first_order for step in staged):
-            by_request = [slot for slots in zip(*planned, strict=True) for slot in slots]
-            if self.keeps_rows:
-                copies = cast("list[torch.Tensor]", [step[0] for step in staged])
-                rows = torch.stack(copies, dim=1).view(num * steps, -1)
+        planned = [slot for step in staged for slot in step[2]]
+        # NOTE: the one read of the staged slots (on a GPU, the one wait).
+        found: list[int] = torch.cat([step[1] for step in staged]).to("cpu", torch.int64).tolist()
+        copies = cast("list[torch.Tensor]", [step[0] for step in staged])
+        if found == planned:
+            steps, order = len(staged), staged[0][4]
+            num = len(order)
+            if all(len(step[2]) == num and step[4] == order for step in staged):
+                # One row a request in every step: request by request.
+                slots = [
+                    slot for own in zip(*(step[2] for step in staged), strict=True) for slot in own
+                ]
+                rows = torch.stack(copies, dim=1).view(num * steps, -1) if self.keeps_rows else None
             else:
-                rows = self._marks(num * steps)
-            result = self.store.write(HIDDEN_STATES, rows, by_request, block_keys=keys)
-            self._stats.num_rows_written += num * steps
+                slots = planned
+                rows = (copies[0] if steps == 1 else torch.cat(copies)) if self.keeps_rows else None
+            if rows is None:
+                rows = self._marks(len(slots))
+            result = self.store.write(HIDDEN_STATES, rows, slots, block_keys=keys)
+            self._stats.num_rows_written += len(slots)
             return {block_id: keys[block_id] for block_id in result.stamped_block_ids}
         num_slots = self.store.num_slots
+        by_step: list[list[int]] = []
+        offset = 0
+        for entry in staged:
+            by_step.append(found[offset : offset + len(entry[2])])
+            offset += len(entry[2])
         for step, slots in enumerate(by_step):
             if not all(0 <= slot < num_slots for slot in slots):
                 # NOTE: before any write: the staged rows are dropped, the store unchanged.
                 raise IndexError(
                     f"step: expected the forward pass's slots in 0..{num_slots - 1}, found "
-                    f"{slots} (planned {planned[step]}) in staged decode step {step + 1} of "
-                    f"{steps}"
+                    f"{slots} (planned {staged[step][2]}) in staged step {step + 1} of "
+                    f"{len(staged)}"
                 )
         stamped: dict[int, BlockHash] = {}
         for step, slots in enumerate(by_step):
             step_keys = keys
-            if slots != planned[step]:
+            if slots != staged[step][2]:
                 self._stats.num_slot_mismatches += 1
                 step_keys = {}
-            copy = staged[step][0]
-            rows = self._marks(num) if copy is None else copy
+            copy = copies[step]
+            rows = self._marks(len(slots)) if copy is None else copy
             result = self.store.write(HIDDEN_STATES, rows, slots, block_keys=step_keys)
-            self._stats.num_rows_written += num
+            self._stats.num_rows_written += len(slots)
             for block_id in result.stamped_block_ids:
                 stamped[block_id] = step_keys[block_id]
         # NOTE: a later step's rows without keys may have cleared a stamp.
