@@ -245,7 +245,9 @@ def test_a_shard_gone_from_one_rank_only_is_recomputed_and_both_ranks_agree_agai
     )
     slots = torch.arange(6 * BS, 7 * BS)
     for live in lives:
-        assert live.apply(step, ["r"], recomputed, slots) == {6: K[1]}
+        # Its hit is in no block the step writes: its rows wait, then stamp block 6.
+        assert live.apply(step, ["r"], recomputed, slots) == {}
+        assert live.flush() == {6: K[1]}
         assert live.store.probe([5, 6], [K[0], K[1]]) == 2
         assert live.stats.num_hit_blocks == 1 and live.stats.num_stale_hit_blocks == 0
     assert torch.equal(

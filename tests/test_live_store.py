@@ -67,9 +67,8 @@ def test_a_hit_reads_the_stored_rows_then_the_steps_rows() -> None:
         result_keys={"a": "key-a"},
     )
     live.apply(first, ["a"], rows(100, 11), slots_of(first, ["a"], padding=2))
-    assert live.store.stamp_of(HIDDEN_STATES, 1) == K[1]
-    assert live.store.stamp_of(HIDDEN_STATES, 2) == K[2]
-    assert live.store.stamp_of(HIDDEN_STATES, 3) is None
+    # Nothing reads its blocks yet: its rows wait, and its prompt's rows are gathered.
+    assert live.stats.num_rows_written == 0 and live.store.stamp_of(HIDDEN_STATES, 1) is None
     # Request "b" hits blocks 1 and 2 and computes its last 2 prompt tokens in block 4,
     # in the same step as a decode token of "a".
     second = StepPlan(
@@ -82,6 +81,9 @@ def test_a_hit_reads_the_stored_rows_then_the_steps_rows() -> None:
         result_keys={"b": "key-b"},
     )
     live.apply(second, ["b", "a"], rows(500, 3), slots_of(second, ["b", "a"]))
+    # b's hit is in blocks a's staged rows fill: they are written first, then the step's.
+    assert [live.store.stamp_of(HIDDEN_STATES, block) for block in (1, 2, 3)] == [K[1], K[2], None]
+    assert live.stats.num_rows_written == 12
     found = live.take({"a": "key-a", "b": "key-b", "c": "key-c"})
     assert sorted(found) == ["a", "b"]
     assert torch.equal(found["a"], rows(100, 9))  # type: ignore[arg-type]
@@ -349,7 +351,8 @@ def test_a_follower_keeps_the_first_ranks_stamps_without_its_rows_and_scores_its
     for plan, order, values in ((first, ["a"], rows(100, 12)), (second, ["p", "b"], rows(500, 2))):
         for live in (leader, follower):
             stamped = live.apply(plan, order, values, slots_of(plan, order))
-            assert sorted(stamped) == ([1, 2, 3] if plan is first else [])
+            # The first step's rows wait until the second reads their blocks.
+            assert sorted(stamped) == ([] if plan is first else [1, 2, 3])
     for block_id in range(8):
         assert follower.store.stamp_of(HIDDEN_STATES, block_id) == leader.store.stamp_of(
             HIDDEN_STATES, block_id
@@ -650,3 +653,100 @@ def test_a_staged_prefill_step_at_other_slots_than_planned_stamps_none_of_its_bl
     ]
     assert [live.store.filled_of(HIDDEN_STATES, block) for block in (2, 3, 6)] == [BS, 0, BS]
     assert live.stats.num_rows_written == 12
+
+
+def test_steps_that_gather_finish_or_hit_other_blocks_wait_alike_on_every_rank() -> None:
+    from omnicache.integrations.vllm.live_store import FOLLOWER_DTYPE, follower_store
+
+    leader = LiveStore(
+        TensorStore(16, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32), max_results=8
+    )
+    follower = LiveStore(
+        follower_store(16, BS), max_results=8, share=lambda rows: rows, keeps_results=False
+    )
+    # Block 7 holds an earlier prompt's rows, stamped on both ranks.
+    leader.store.write_blocks(HIDDEN_STATES, rows(70, BS), [7], block_keys=[K[7]])
+    follower.store.write_blocks(
+        HIDDEN_STATES, torch.zeros((BS, 1), dtype=FOLLOWER_DTYPE), [7], block_keys=[K[7]]
+    )
+    # "a" asks for its prompt's rows (4 tokens), "s" for every position's.
+    asks = StepPlan(
+        caching=True,
+        requests=(PlannedRequest("a", 0, 4, (1,)), PlannedRequest("s", 0, 2, (2,))),
+        block_keys={1: K[1]},
+        prompt_requests={"a": 4, "s": 2},
+        sequence_requests=frozenset({"s"}),
+        result_keys={"a": "key-a", "s": "key-s"},
+    )
+    # "h" hits block 7 and asks for its prompt's rows, beside a's decode token.
+    hit = StepPlan(
+        caching=True,
+        requests=(
+            PlannedRequest("a", 8, 1, (4,)),
+            PlannedRequest("h", 4, 1, (9,), (7,), (K[7],)),
+        ),
+        prompt_requests={"h": 5},
+        result_keys={"h": "key-h"},
+    )
+    steps = [
+        (asks, ["a", "s"]),
+        (decode_step({"a": (4, 3), "s": (2, 2)}, {}), ["a", "s"]),
+        (decode_step({"a": (5, 3)}, {}), ["a"]),
+        (replace(decode_step({"a": (6, 3)}, {}), finished_req_ids=("z",)), ["a"]),
+        (replace(decode_step({"a": (7, 3)}, {3: K[3]}), finished_req_ids=("s",)), ["a"]),
+        (hit, ["a", "h"]),
+    ]
+    for step, (plan, order) in enumerate(steps):
+        num = sum(item.num_new for item in plan.requests)
+        for live in (leader, follower):
+            assert live.apply(plan, order, rows(10 * step, num), slots_of(plan, order)) == {}
+            assert live.stats.num_rows_written == 0
+    # Every result is there before the rows are written.
+    taken = leader.take({"a": "key-a", "s": "key-s", "h": "key-h"})
+    assert torch.equal(taken["a"], rows(0, 4))  # type: ignore[arg-type]
+    assert torch.equal(taken["s"], torch.cat([rows(4, 2), rows(11, 1)]))  # type: ignore[arg-type]
+    assert torch.equal(taken["h"], torch.cat([rows(70, BS), rows(51, 1)]))  # type: ignore[arg-type]
+    assert leader.stats.num_hit_blocks == follower.stats.num_hit_blocks == 1
+    assert leader.stats.num_stale_hit_blocks == follower.stats.num_stale_hit_blocks == 0
+    assert leader.flush() == follower.flush() == {1: K[1], 3: K[3]}
+    assert leader.stats.num_rows_written == follower.stats.num_rows_written == 13
+    assert leader.store.stats.num_writes == follower.store.stats.num_writes == 1 + 1
+
+
+def test_a_hit_on_a_block_its_own_step_fills_writes_the_step_at_once() -> None:
+    live = new_live()
+    plan = StepPlan(
+        caching=True,
+        requests=(
+            PlannedRequest("a", 0, 4, (1,)),
+            PlannedRequest("b", 4, 1, (2,), (1,), (K[1],)),
+        ),
+        block_keys={1: K[1]},
+        prompt_requests={"b": 5},
+        result_keys={"b": "key-b"},
+    )
+    assert live.apply(plan, ["a", "b"], rows(0, 5), slots_of(plan, ["a", "b"])) == {1: K[1]}
+    assert live.stats.num_rows_written == 5 and live.stats.num_stale_hit_blocks == 0
+    (b_rows,) = live.take({"b": "key-b"}).values()
+    assert torch.equal(b_rows, rows(0, 5))  # type: ignore[arg-type]
+
+
+def test_on_the_cpu_a_step_of_more_than_max_host_step_bytes_is_written_at_once() -> None:
+    from omnicache.integrations.vllm.live_store import MAX_HOST_STEP_BYTES
+
+    hidden, bs = 1024, 32  # float32: 4 KiB a row
+    per_row = hidden * 4
+    live = LiveStore(
+        TensorStore(32, bs, hidden_size=hidden, hidden_dtype=torch.float32), max_results=8
+    )
+    fits = MAX_HOST_STEP_BYTES // per_row  # 256 rows: 8 blocks
+    written = []
+    for req_id, first_block, num in (("a", 0, fits), ("b", 8, fits + bs)):
+        block_ids = tuple(range(first_block, first_block + num // bs))
+        plan = StepPlan(caching=True, requests=(PlannedRequest(req_id, 0, num, block_ids),))
+        values = torch.arange(num * hidden, dtype=torch.float32).view(num, hidden)
+        live.apply(plan, [req_id], values, torch.tensor(planned_slots(plan.requests, bs)))
+        written.append(live.stats.num_rows_written)
+    # "a" waits; "b" (9 blocks, over the bytes) is written at once, "a" first.
+    assert written == [0, fits + fits + bs]
+    assert live.store.stats.num_writes == 2

@@ -152,8 +152,8 @@ class Harness(EngineHarness):
     def stamps(self, block_ids: list[int]) -> tuple[list[Any], list[Any]]:
         """The keys the scheduler's table and the worker's store hold for ``block_ids``.
 
-        The store's as whatever reads it finds them: its staged decode rows
-        written first (as the next step that reads would write them).
+        The store's as whatever reads it finds them: its staged rows written
+        first (as the next step that reads their blocks would write them).
         """
         self.live.flush()
         return (
@@ -814,7 +814,7 @@ def test_chunked_prefill_and_decode_stamp_blocks_as_they_fill() -> None:
     for token_id in range(300, 308):
         request.append_output_token_ids(token_id)
         assert h.wrapper.allocate_slots(request, 1) is not None
-        h.step([(request, 1)])
+        h.step([(request, 1)], flush=False)
     # The decode steps' rows wait, staged, until something reads the store.
     assert h.store.stamp_of("hidden_states", 4) is None
     assert h.stamps([4]) == ([request.block_hashes[3]],) * 2

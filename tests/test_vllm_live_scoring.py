@@ -192,7 +192,11 @@ def store_llm(text_model: Path, in_process: None) -> Iterator[Any]:
 
 
 def forget_every_row(worker: Any) -> None:
-    """Clears the worker's stamps behind the scheduler's back (its table still holds them)."""
+    """Clears the worker's stamps behind the scheduler's back (its table still holds them).
+
+    The rows waiting to be written are written first: they are rows the worker holds.
+    """
+    worker.omni_store.flush()
     worker.omni_store.store.invalidate_all()
 
 

@@ -136,9 +136,11 @@ def serve(llm: Any, waves: list[list[tuple[int, str | None]]], *, tier: bool) ->
         "states": take_prompt_hidden_states(llm, outputs),
         "prompt_logprobs": [output.prompt_logprobs for output in outputs],
     }
-    (run["stats"],) = llm.collective_rpc("omni_live_store_stats")
+    # NOTE: the tier drained first: the flush writes the rows still waiting
+    # and saves their blocks, and the counters then hold every write.
     if tier:
         (run["flushed"],) = llm.collective_rpc("omni_tier_flush")
+    (run["stats"],) = llm.collective_rpc("omni_live_store_stats")
     live.shut(llm)
     return run
 

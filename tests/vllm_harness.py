@@ -83,11 +83,14 @@ class EngineHarness:
         request.num_computed_tokens = int(num_hit)
         return int(num_hit)
 
-    def step(self, scheduled: Sequence[tuple[Any, int]]) -> dict[int, Any]:
+    def step(self, scheduled: Sequence[tuple[Any, int]], *, flush: bool = True) -> dict[int, Any]:
         """One step computing ``num_new`` tokens of each request, from its computed tokens on.
 
         Each request's slots must have been allocated (`admit`, or
-        ``wrapper.allocate_slots``). Returns the blocks the step stamped.
+        ``wrapper.allocate_slots``). With ``flush``, the worker's staged
+        rows are then written, as a caller between steps has them written
+        (the engine's ``omni_live_store_stats``), for a test that reads the
+        store between steps. Returns the blocks the step stamped.
         """
         items = [
             (request.request_id, request.num_computed_tokens, num_new)
@@ -117,6 +120,8 @@ class EngineHarness:
             torch.cat(parts) if parts else None,
             torch.from_numpy(np.concatenate(slots)) if slots else None,
         )
+        if flush:
+            stamped.update(self.live.flush())
         for request, num_new in scheduled:
             request.num_computed_tokens += num_new
         return stamped

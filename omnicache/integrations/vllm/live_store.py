@@ -29,13 +29,16 @@ Writes come before reads because vLLM caches a block as soon as it is
 allocated: a request scheduled in the same step as the one computing a block
 can hit it, and its rows exist once the step's rows are written.
 
-A step that only writes (a prefill chunk, a decode step, or both) keeps a
-copy of its rows and of its slot mapping, made on their device (no value of
-either is read: on a GPU the step never waits for the forward pass), until
-a step that reads, loads or finishes anything, or that clears a block
+A step's rows may wait to be written (`LiveStore._staged_slots`): those of a
+step that neither loads nor invalidates, whose hits (verified and read at
+once) are in no block a staged step or the step itself writes. The step
+keeps a copy of its rows and of its slot mapping, made on their device (no
+value of either is read: on a GPU the step never waits for the forward
+pass), until a step that loads, invalidates, or reads or clears a block
 holding staged rows, or until `MAX_DEFERRED_STEPS` of them wait or one more
 step's rows would take more than ``max_staged_bytes`` (a step whose rows
-alone would is written at once). Then they are written first, so whatever
+alone would is written at once, and so is one of more than
+`MAX_HOST_STEP_BYTES` on the CPU). Then they are written first, so whatever
 reads the store finds what writing each step would have left: the staged
 slots are read and compared with the plans' there, once; if every step's
 match, the rows are written in one write with the plans' keys; otherwise
@@ -52,6 +55,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import islice
 from typing import NamedTuple, Protocol, cast
 
 import torch
@@ -66,6 +70,7 @@ from omnicache.store import HIDDEN_STATES, TensorStore
 __all__ = [
     "FOLLOWER_DTYPE",
     "MAX_DEFERRED_STEPS",
+    "MAX_HOST_STEP_BYTES",
     "MAX_STAGED_BYTES",
     "LiveStore",
     "LiveStoreStats",
@@ -83,6 +88,15 @@ memory the copies take (beside the model, on its device).
 """
 MAX_STAGED_BYTES = 32 * 2**20
 """`LiveStore`'s default ``max_staged_bytes``."""
+MAX_HOST_STEP_BYTES = 2**20
+"""The largest step, in bytes of its rows, whose rows wait to be written on the CPU.
+
+On the CPU reading a step's slots waits for nothing: a step's rows wait
+only to share a write's fixed part (small steps: decode batches, short
+chunks). A larger step's copy, and the larger write it joins, cost more
+than that: in the engine, staging prefill steps of 7.5 MiB doubled the
+store's share of them (0.36% to 0.73%, `benchmarks/bench_live_store.py`).
+"""
 FOLLOWER_DTYPE = torch.uint8
 """A follower's store (`follower_store`) keeps one value of this type a row."""
 
@@ -159,13 +173,14 @@ class _Prompt:
         return torch.cat([part for _, part in self.chunks])[:num_rows]
 
 
-# A step whose rows wait to be written (`LiveStore._stage`): copies of its
-# rows (None in a follower's store) and of its slot mapping, made on their
-# device; its planned slots in the rows' order, its plan's keys and the
-# rows' request ids. NOTE: a tuple: right after the forward pass, the
+# A step whose rows wait to be written (`LiveStore._stage`): a copy of its
+# rows (None in a follower's store) made on their device; a copy of its slot
+# mapping made there, or its slots when on the CPU (read at once: no wait);
+# its planned slots in the rows' order, its plan's keys and the rows'
+# request ids. NOTE: a tuple: right after the forward pass, the
 # host's every kind of work is cold, a class's constructor one more.
 _StagedStep = tuple[
-    torch.Tensor | None, torch.Tensor, list[int], Mapping[int, BlockHash], Sequence[str]
+    torch.Tensor | None, torch.Tensor | list[int], list[int], Mapping[int, BlockHash], Sequence[str]
 ]
 
 
@@ -403,11 +418,17 @@ class LiveStore:
                 nbytes = num * hidden_states.shape[-1] * hidden_states.element_size()
                 if (
                     nbytes <= self.max_staged_bytes
+                    and (nbytes <= MAX_HOST_STEP_BYTES or not hidden_states.is_cpu)
                     and min(len(hidden_states), len(slot_mapping)) >= num
                 ):
-                    return self._stage(
+                    stamped = self._stage(
                         plan, staged, nbytes, batch_order, hidden_states, slot_mapping
                     )
+                    if staged[2] or self._prompts:
+                        self._read(self._batch(plan, batch_order), hidden_states)
+                    if plan.finished_req_ids:
+                        self._finish_requests(plan.finished_req_ids)
+                    return stamped
         self.begin(plan)
         if self._staged:
             # NOTE: rows of other requests than planned, without their slots, or
@@ -425,15 +446,19 @@ class LiveStore:
                 stamped.pop(block_id, None)
         if batch and hidden_states is not None:
             self._read(batch, hidden_states)
-        for req_id in plan.finished_req_ids:
+        self._finish_requests(plan.finished_req_ids)
+        if self.tier is not None:
+            self.tier.save(store, stamped)
+        return stamped
+
+    def _finish_requests(self, req_ids: Sequence[str]) -> None:
+        """Ends the gathering of finished requests: every position's rows are a result."""
+        for req_id in req_ids:
             prompt = self._prompts.get(req_id)
             if prompt is not None and prompt.num_tokens is None:
                 self._finish(req_id, prompt.rows())
             elif self._prompts.pop(req_id, None) is not None:
                 self._stats.num_incomplete_dropped += 1
-        if self.tier is not None:
-            self.tier.save(store, stamped)
-        return stamped
 
     def take(
         self,
@@ -504,47 +529,46 @@ class LiveStore:
 
     def _staged_slots(
         self, plan: StepPlan, batch_order: Sequence[str] | None = None
-    ) -> tuple[list[int], list[int]] | None:
-        """Each row's planned slot, and the step's blocks, when its rows may wait to be written.
+    ) -> tuple[list[int], list[int], bool] | None:
+        """The rows' planned slots, blocks and whether the step has hits, when its rows may wait.
 
-        Such a step only writes: new tokens of each request (a prefill chunk
-        or a decode token) in planned blocks; no hit, no prompt gathered,
-        nothing loaded, invalidated or finished, no reset (it may clear
-        stamps of blocks handed out again); rows of the planned requests. It
-        reads nothing of the store, and the next step that does, or that
-        clears a block holding staged rows, writes the waiting rows first
-        (`begin`), so whatever reads the store finds what writing every step
-        at once would have left. Their rows are written together
-        (`_write_pending`).
+        Such a step writes new tokens of each request (a prefill chunk or a
+        decode token) in planned blocks, rows of the planned requests;
+        loads nothing, invalidates nothing, resets nothing (it may clear
+        stamps of blocks handed out again, gather prompts' rows and finish
+        requests); and its hits are in no block that a staged step or the
+        step itself writes, so they are verified and read at once. The next
+        step that reads a block holding staged rows, clears one, loads or
+        invalidates writes the waiting rows first (`begin`), so whatever
+        reads the store finds what writing every step at once would have
+        left. Their rows are written together (`_write_pending`). The answer
+        depends on the plan and the staged steps only: the same on every rank.
 
         Args:
             plan: the step's plan.
             batch_order: the rows' request ids (None: the slots in the plan's order).
 
         Returns:
-            The slots in the rows' order and the blocks they are in; None if
-            the step's rows are written now.
+            The slots in the rows' order, the blocks they are in, and whether
+            any request has a hit; None if the step's rows are written now.
         """
         requests = plan.requests
         if not (plan.caching and requests) or (
-            plan.reset
-            or plan.invalidated_block_ids
-            or plan.finished_req_ids
-            or plan.prompt_requests
-            or plan.loads
+            plan.reset or plan.invalidated_block_ids or plan.loads
         ):
             return None
         if batch_order is not None and len(batch_order) != len(requests):
             return None
-        prompts, bs = self._prompts, self.store.block_size
-        if prompts and not prompts.keys().isdisjoint(item.req_id for item in requests):
-            return None
+        bs = self.store.block_size
         ids: list[str] = []
         blocks: list[int] = []
         slots: list[int] = []
+        hits: list[int] = []
         for item in requests:
-            if item.hit_block_ids or not item.block_ids:
+            if not item.block_ids:
                 return None
+            if item.hit_block_ids:
+                hits.extend(item.hit_block_ids)
             ids.append(item.req_id)
             if item.num_new == 1:
                 # NOTE: a decode token, the common case, without a call.
@@ -557,8 +581,10 @@ class LiveStore:
                 return None
             blocks.extend(item.block_ids)
             slots.extend(own)
+        if hits and not (self._staged_blocks.isdisjoint(hits) and set(blocks).isdisjoint(hits)):
+            return None
         if batch_order is None or ids == batch_order:
-            return slots, blocks
+            return slots, blocks, bool(hits)
         # NOTE: the model runner's batch order is not the scheduler's once a
         # request left the batch.
         span: dict[str, tuple[int, int]] = {}
@@ -568,7 +594,8 @@ class LiveStore:
             end += item.num_new
         if len(span) != len(batch_order) or span.keys() != set(batch_order):
             return None
-        return [slot for req_id in batch_order for slot in slots[slice(*span[req_id])]], blocks
+        ordered = [slot for req_id in batch_order for slot in slots[slice(*span[req_id])]]
+        return ordered, blocks, bool(hits)
 
     def _clears_staged(self, block_ids: Sequence[int]) -> bool:
         """Whether any of ``block_ids`` holds staged rows (at their planned slots)."""
@@ -577,31 +604,33 @@ class LiveStore:
     def _stage(
         self,
         plan: StepPlan,
-        staged_slots: tuple[list[int], list[int]],
+        staged_slots: tuple[list[int], list[int], bool],
         nbytes: int,
         batch_order: Sequence[str],
         hidden_states: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> dict[int, BlockHash]:
-        """`apply` of a step whose rows may wait to be written; the blocks stamped.
+        """The write of `apply` for a step whose rows may wait; the blocks stamped.
 
         ``staged_slots``: the rows' slots and blocks (`_staged_slots`);
         ``nbytes``: the bytes of the model's rows of the step (on every rank,
         a follower's too, so that every rank writes at the same step). The
-        step keeps copies of its rows and of its slot mapping, made on their
+        step keeps a copy of its rows and of its slot mapping, made on their
         device: reading a value of either would make a GPU step wait for the
-        forward pass, and vLLM reuses both buffers. `_write_pending` compares
-        the slots with the plan's.
+        forward pass, and vLLM reuses both buffers (on the CPU, where
+        reading waits for nothing, it keeps the slots instead).
+        `_write_pending` compares the slots with the plan's.
         """
-        # NOTE: `begin` of such a plan only clears stamps (before its rows, as
-        # always), writing the staged rows first if any is in a cleared block.
-        if plan.cleared_block_ids:
+        # NOTE: `begin` of such a plan clears stamps (before its rows, as always;
+        # writing the staged rows first if any is in a cleared block) and takes
+        # new prompts.
+        if plan.cleared_block_ids or plan.prompt_requests:
             self.begin(plan)
         self._begun = plan
         stamped: dict[int, BlockHash] = {}
         if self._staged and self._staged_nbytes + nbytes > self.max_staged_bytes:
             stamped = self.flush()
-        slots, blocks = staged_slots
+        slots, blocks, _ = staged_slots
         num = len(slots)
         # NOTE: whole tensors when the step has no padding: a slice is one
         # more op, and right after the forward pass each kind of op is cold.
@@ -609,8 +638,9 @@ class LiveStore:
         if self.keeps_rows:
             rows = (hidden_states if len(hidden_states) == num else hidden_states[:num]).clone()
         mapping = slot_mapping if len(slot_mapping) == num else slot_mapping[:num]
+        found = mapping.tolist() if mapping.is_cpu else mapping.clone()
         staged = self._staged
-        staged.append((rows, mapping.clone(), slots, plan.block_keys, batch_order))
+        staged.append((rows, found, slots, plan.block_keys, batch_order))
         self._staged_nbytes += nbytes
         # NOTE: kept as steps come, not gathered when asked: with a large batch
         # and small blocks, most decode steps clear blocks.
@@ -640,7 +670,13 @@ class LiveStore:
             keys.update(entry[3])
         planned = [slot for step in staged for slot in step[2]]
         # NOTE: the one read of the staged slots (on a GPU, the one wait).
-        found: list[int] = torch.cat([step[1] for step in staged]).to("cpu", torch.int64).tolist()
+        copies_of_slots = [step[1] for step in staged if isinstance(step[1], torch.Tensor)]
+        read = iter(
+            torch.cat(copies_of_slots).to("cpu", torch.int64).tolist() if copies_of_slots else ()
+        )
+        found: list[int] = []
+        for entry in staged:
+            found.extend(entry[1] if isinstance(entry[1], list) else islice(read, len(entry[2])))
         copies = cast("list[torch.Tensor]", [step[0] for step in staged])
         if found == planned:
             steps, order = len(staged), staged[0][4]
