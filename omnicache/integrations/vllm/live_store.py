@@ -55,7 +55,6 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from itertools import islice
 from typing import NamedTuple, Protocol, cast
 
 import torch
@@ -173,14 +172,13 @@ class _Prompt:
         return torch.cat([part for _, part in self.chunks])[:num_rows]
 
 
-# A step whose rows wait to be written (`LiveStore._stage`): a copy of its
-# rows (None in a follower's store) made on their device; a copy of its slot
-# mapping made there, or its slots when on the CPU (read at once: no wait);
-# its planned slots in the rows' order, its plan's keys and the rows'
-# request ids. NOTE: a tuple: right after the forward pass, the
+# A step whose rows wait to be written (`LiveStore._stage`): copies of its
+# rows (None in a follower's store) and of its slot mapping, made on their
+# device; its planned slots in the rows' order, its plan's keys and the
+# rows' request ids. NOTE: a tuple: right after the forward pass, the
 # host's every kind of work is cold, a class's constructor one more.
 _StagedStep = tuple[
-    torch.Tensor | None, torch.Tensor | list[int], list[int], Mapping[int, BlockHash], Sequence[str]
+    torch.Tensor | None, torch.Tensor, list[int], Mapping[int, BlockHash], Sequence[str]
 ]
 
 
@@ -617,9 +615,8 @@ class LiveStore:
         a follower's too, so that every rank writes at the same step). The
         step keeps a copy of its rows and of its slot mapping, made on their
         device: reading a value of either would make a GPU step wait for the
-        forward pass, and vLLM reuses both buffers (on the CPU, where
-        reading waits for nothing, it keeps the slots instead).
-        `_write_pending` compares the slots with the plan's.
+        forward pass, and vLLM reuses both buffers. `_write_pending`
+        compares the slots with the plan's.
         """
         # NOTE: `begin` of such a plan clears stamps (before its rows, as always;
         # writing the staged rows first if any is in a cleared block) and takes
@@ -638,9 +635,8 @@ class LiveStore:
         if self.keeps_rows:
             rows = (hidden_states if len(hidden_states) == num else hidden_states[:num]).clone()
         mapping = slot_mapping if len(slot_mapping) == num else slot_mapping[:num]
-        found = mapping.tolist() if mapping.is_cpu else mapping.clone()
         staged = self._staged
-        staged.append((rows, found, slots, plan.block_keys, batch_order))
+        staged.append((rows, mapping.clone(), slots, plan.block_keys, batch_order))
         self._staged_nbytes += nbytes
         # NOTE: kept as steps come, not gathered when asked: with a large batch
         # and small blocks, most decode steps clear blocks.
@@ -670,13 +666,7 @@ class LiveStore:
             keys.update(entry[3])
         planned = [slot for step in staged for slot in step[2]]
         # NOTE: the one read of the staged slots (on a GPU, the one wait).
-        copies_of_slots = [step[1] for step in staged if isinstance(step[1], torch.Tensor)]
-        read = iter(
-            torch.cat(copies_of_slots).to("cpu", torch.int64).tolist() if copies_of_slots else ()
-        )
-        found: list[int] = []
-        for entry in staged:
-            found.extend(entry[1] if isinstance(entry[1], list) else islice(read, len(entry[2])))
+        found: list[int] = torch.cat([step[1] for step in staged]).to("cpu", torch.int64).tolist()
         copies = cast("list[torch.Tensor]", [step[0] for step in staged])
         if found == planned:
             steps, order = len(staged), staged[0][4]
