@@ -8,16 +8,15 @@ Checks every store configuration this machine has:
                     one event per write)
 Every check compares exactly (torch.equal, or bit patterns) against the rows
 that were written; any mismatch is printed and the script exits 1. The
-configurations with the store on the CPU also drive the worker's
-`LiveStore` as the worker does (rows and slot mappings on the model's
-device: a prefill and decode steps staged and written together, a hit
-asking for its rows), and on CUDA a timing shows whether a decode step's
-and a prefill step's store work waits for the forward pass (CUDA events).
-Then it
-prints write and merged-read bandwidth for the 8192 x 4096 bf16 workload on
-the fastest device here, next to a plain copy_ and the reference approach
-(flat[slots] = hs; cache[block_ids].reshape then torch.cat), each variant
-timed right after its ceiling copy_ (medians of --reps).
+configurations with the store on the CPU also drive the worker's `LiveStore`
+as the worker does (rows and slot mappings on the model's device: a prefill
+and decode steps staged and written together, a hit asking for its rows),
+and on CUDA a timing shows whether a decode step's and a prefill step's
+store work waits for the forward pass (CUDA events). Then it prints write
+and merged-read bandwidth for the 8192 x 4096 bf16 workload on the fastest
+device here, next to a plain copy_ and the reference approach (flat[slots] =
+hs; cache[block_ids].reshape then torch.cat), each variant timed right after
+its ceiling copy_ (medians of --reps).
 
 Without CUDA it runs the cpu configuration only (CPU-only mode).
 
