@@ -361,9 +361,10 @@ class LiveStore:
     def flush(self) -> dict[int, BlockHash]:
         """Writes the rows of staged steps now (stamping, and saving to the tier).
 
-        The store writes them itself before any step that reads, clears
-        their blocks, loads or finishes, and when `MAX_DEFERRED_STEPS` wait
-        or one more step's rows would take more than ``max_staged_bytes``;
+        The store writes them itself before any step that hits or clears
+        their blocks, loads, invalidates or cannot wait, and when
+        `MAX_DEFERRED_STEPS` wait or one more step's rows would take more
+        than ``max_staged_bytes``;
         a caller between steps calls this too (counters, the tier's flush,
         shutdown).
 
