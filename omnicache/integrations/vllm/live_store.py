@@ -413,15 +413,25 @@ class LiveStore:
         if hidden_states is not None and slot_mapping is not None:
             staged = self._staged_slots(plan, batch_order)
             if staged is not None:
+                # NOTE: each tensor's shape read once: right after the forward
+                # pass, every call into torch is cold.
                 num = len(staged[0])
-                nbytes = num * hidden_states.shape[-1] * hidden_states.element_size()
+                num_given, width = hidden_states.shape[0], hidden_states.shape[-1]
+                nbytes = num * width * hidden_states.element_size()
+                num_slots = slot_mapping.shape[0]
                 if (
                     nbytes <= self.max_staged_bytes
                     and (nbytes <= MAX_HOST_STEP_BYTES or not hidden_states.is_cpu)
-                    and min(len(hidden_states), len(slot_mapping)) >= num
+                    and num_given >= num
+                    and num_slots >= num
                 ):
                     stamped = self._stage(
-                        plan, staged, nbytes, batch_order, hidden_states, slot_mapping
+                        plan,
+                        staged,
+                        nbytes,
+                        batch_order,
+                        hidden_states if num_given == num else hidden_states[:num],
+                        slot_mapping if num_slots == num else slot_mapping[:num],
                     )
                     if staged[2] or self._prompts:
                         self._read(self._batch(plan, batch_order), hidden_states)
@@ -564,21 +574,22 @@ class LiveStore:
         slots: list[int] = []
         hits: list[int] = []
         for item in requests:
-            if not item.block_ids:
+            block_ids = item.block_ids
+            if not block_ids:
                 return None
             if item.hit_block_ids:
                 hits.extend(item.hit_block_ids)
             ids.append(item.req_id)
             if item.num_new == 1:
                 # NOTE: a decode token, the common case, without a call.
-                block = item.block_ids[0]
+                block = block_ids[0]
                 blocks.append(block)
                 slots.append(block * bs + item.start % bs)
                 continue
             own = planned_slots((item,), bs)
             if not own:
                 return None
-            blocks.extend(item.block_ids)
+            blocks.extend(block_ids)
             slots.extend(own)
         if hits and not (self._staged_blocks.isdisjoint(hits) and set(blocks).isdisjoint(hits)):
             return None
@@ -613,7 +624,9 @@ class LiveStore:
 
         ``staged_slots``: the rows' slots and blocks (`_staged_slots`);
         ``nbytes``: the bytes of the model's rows of the step (on every rank,
-        a follower's too, so that every rank writes at the same step). The
+        a follower's too, so that every rank writes at the same step);
+        ``hidden_states`` and ``slot_mapping``: the step's, padding left out
+        (whole tensors when the step has none: a slice is one more op). The
         step keeps a copy of its rows and of its slot mapping, made on their
         device: reading a value of either would make a GPU step wait for the
         forward pass, and vLLM reuses both buffers. `_write_pending`
@@ -629,15 +642,10 @@ class LiveStore:
         if self._staged and self._staged_nbytes + nbytes > self.max_staged_bytes:
             stamped = self.flush()
         slots, blocks, _ = staged_slots
-        num = len(slots)
-        # NOTE: whole tensors when the step has no padding: a slice is one
-        # more op, and right after the forward pass each kind of op is cold.
-        rows = None
-        if self.keeps_rows:
-            rows = (hidden_states if len(hidden_states) == num else hidden_states[:num]).clone()
-        mapping = slot_mapping if len(slot_mapping) == num else slot_mapping[:num]
+        rows = hidden_states.clone() if self.keeps_rows else None
+        mapping = slot_mapping.clone()
         staged = self._staged
-        staged.append((rows, mapping.clone(), slots, plan.block_keys, batch_order))
+        staged.append((rows, mapping, slots, plan.block_keys, batch_order))
         self._staged_nbytes += nbytes
         # NOTE: kept as steps come, not gathered when asked: with a large batch
         # and small blocks, most decode steps clear blocks.
