@@ -52,7 +52,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 from live_timing import Timed  # noqa: E402
 from vllm.v1.worker.cpu_worker import CPUWorker  # noqa: E402
 
-from omnicache.demo.live import kv_budget  # noqa: E402
+from omnicache.demo.live import STAGED_BYTES, kv_budget  # noqa: E402
 from omnicache.integrations.vllm.worker import OmniCPUWorker  # noqa: E402
 
 MODES = (
@@ -117,7 +117,7 @@ def engine(mode: str, multiprocess: bool, model: Path) -> Any:
     }
     if mode == "omnicache":
         options["scheduler_cls"] = SCHEDULER_CLS
-        options["kv_transfer_config"] = store_kv_transfer_config()
+        options["kv_transfer_config"] = store_kv_transfer_config(max_staged_bytes=STAGED_BYTES)
     elif mode != "vLLM":
         options["kv_transfer_config"] = {
             "kv_connector": "DecodeBenchConnector",

@@ -50,6 +50,7 @@ from omnicache.integrations.vllm.common import (
     WORKER_CLS,
     store_kv_transfer_config,
 )
+from omnicache.integrations.vllm.live_store import MAX_STAGED_BYTES
 
 BLOCK_SIZE = 32
 MODES = ("vLLM", "omnicache keys", "keys + store")
@@ -77,7 +78,9 @@ def engine(mode: str, model: Path) -> Any:
     options: dict[str, Any] = {
         "model": str(model),
         "block_size": BLOCK_SIZE,
-        "kv_cache_memory_bytes": kv_budget(32 * 2**20, model, store=mode == "keys + store"),
+        "kv_cache_memory_bytes": kv_budget(
+            32 * 2**20, model, store=mode == "keys + store", staged_bytes=MAX_STAGED_BYTES
+        ),
         "max_model_len": 1024,
         "max_num_seqs": 16,
         "enable_prefix_caching": True,
@@ -89,7 +92,7 @@ def engine(mode: str, model: Path) -> Any:
         options["scheduler_cls"] = SCHEDULER_CLS
     if mode == "keys + store":
         options["worker_cls"] = WORKER_CLS
-        options["kv_transfer_config"] = store_kv_transfer_config()
+        options["kv_transfer_config"] = store_kv_transfer_config(max_staged_bytes=MAX_STAGED_BYTES)
     return LLM(**options)
 
 

@@ -41,7 +41,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 from live_timing import Timed
 
-from omnicache.demo.live import kv_budget
+from omnicache.demo.live import STAGED_BYTES, kv_budget
 from omnicache.demo.tiny_models import build_text_model
 from omnicache.integrations.vllm.common import (
     SCHEDULER_CLS,
@@ -68,9 +68,9 @@ def prompts(count: int) -> list[dict[str, Any]]:
 def engine(model: Path, url: str | None) -> Any:
     from vllm import LLM
 
-    transfer: dict[str, Any] = store_kv_transfer_config()
+    transfer: dict[str, Any] = store_kv_transfer_config(max_staged_bytes=STAGED_BYTES)
     if url is not None:
-        transfer["kv_connector_extra_config"] = {"tier_url": url, "tier_namespace": "bench"}
+        transfer["kv_connector_extra_config"].update(tier_url=url, tier_namespace="bench")
         transfer["kv_load_failure_policy"] = "recompute"
     return LLM(
         model=str(model),

@@ -45,7 +45,7 @@ import numpy as np
 from live_timing import Timed
 from PIL import Image
 
-from omnicache.demo.live import kv_budget
+from omnicache.demo.live import STAGED_BYTES, kv_budget
 from omnicache.demo.tiny_models import build_vl_model
 from omnicache.integrations.vllm.common import (
     SCHEDULER_CLS,
@@ -105,7 +105,7 @@ def engine(mode: str, model: Path, dtype: str) -> Any:
         options.update(
             scheduler_cls=SCHEDULER_CLS,
             worker_cls=WORKER_CLS,
-            kv_transfer_config=store_kv_transfer_config(),
+            kv_transfer_config=store_kv_transfer_config(max_staged_bytes=STAGED_BYTES),
         )
     return LLM(**options)
 

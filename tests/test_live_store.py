@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from omnicache.block_hash import BlockHash
-from omnicache.integrations.vllm.live_store import LiveStore, ScoredPrompt
+from omnicache.integrations.vllm.live_store import (
+    MAX_STAGED_BYTES,
+    LiveStore,
+    ScoredPrompt,
+    default_max_staged_bytes,
+)
 from omnicache.integrations.vllm.plan import (
     PlannedRequest,
     StepPlan,
@@ -750,3 +755,13 @@ def test_on_the_cpu_a_step_of_more_than_max_host_step_bytes_is_written_at_once()
     # "a" waits; "b" (9 blocks, over the bytes) is written at once, "a" first.
     assert written == [0, fits + fits + bs]
     assert live.store.stats.num_writes == 2
+
+
+def test_the_default_staged_bound_is_32_mib_or_a_sixteenth_of_the_budget() -> None:
+    assert default_max_staged_bytes(64 * 2**20) == 4 * 2**20
+    assert default_max_staged_bytes(16 * 32 * 2**20 - 16) == 32 * 2**20 - 1
+    assert default_max_staged_bytes(16 * 32 * 2**20) == MAX_STAGED_BYTES == 32 * 2**20
+    assert default_max_staged_bytes(2**40) == 32 * 2**20
+    assert default_max_staged_bytes(15) == 0
+    with pytest.raises(ValueError, match="budget: expected int >= 0, found -1"):
+        default_max_staged_bytes(-1)

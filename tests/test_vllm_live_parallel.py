@@ -196,15 +196,19 @@ def test_prompt_hidden_states_at_tp2_equal_an_engine_without_caching(report: Any
         assert first["num_score_failures"] == second["num_score_failures"] == 0
         # The rows are on the first rank only: the other keeps a byte a row.
         assert second["store_nbytes"] * 128 * 4 == first["store_nbytes"] > 0
-        # Each rank's KV shard and store fit the 64 MiB the engine was given,
-        # with less than a block to spare on the first (1 KV head a rank: 16 KiB
-        # a block, and 16 KiB of rows); the other has the first's blocks.
+        # Each rank's KV shard, store and staged steps' bound (by default a
+        # sixteenth of the budget, on every rank) fit the 64 MiB the engine was
+        # given, with less than a block to spare on the first (1 KV head a
+        # rank: 16 KiB a block, and 16 KiB of rows); the other has the first's
+        # blocks.
         block = 2 * 2 * 1 * 32 * live.BLOCK_SIZE * 4
         rows = 128 * live.BLOCK_SIZE * 4
         budget = 64 * 2**20
+        staged = budget // 16
+        assert first["max_staged_nbytes"] == second["max_staged_nbytes"] == staged
         assert first["kv_cache_nbytes"] == second["kv_cache_nbytes"]
-        assert budget - (block + rows) < first["kv_cache_nbytes"] + first["store_nbytes"]
-        assert first["kv_cache_nbytes"] + first["store_nbytes"] <= budget
+        total = first["kv_cache_nbytes"] + first["store_nbytes"] + staged
+        assert budget - (block + rows) < total <= budget
         assert first["num_prompt_results"] == requests
         assert second["num_prompt_results"] == 0
         assert first["num_pending_results"] == second["num_pending_results"] == 0

@@ -30,10 +30,13 @@ import test_vllm_live as live
 pytestmark = live.pytestmark
 
 WORKER = "omnicache.integrations.vllm.worker.OmniCPUWorker"
+# The bound on the staged steps' copies, which the budget holds too.
+STAGED_BYTES = 256 * 2**10
 CONNECTOR = {
     "kv_connector": "OmniStoreConnector",
     "kv_connector_module_path": "omnicache.integrations.vllm.connector",
     "kv_role": "kv_both",
+    "kv_connector_extra_config": {"max_staged_bytes": STAGED_BYTES},
 }
 # 2 layers x K and V x 2 heads x 32 values x 4 bytes per token.
 BLOCK_BYTES = 2 * 2 * 2 * 32 * live.BLOCK_SIZE * 4
@@ -112,7 +115,7 @@ def pressed(text_model: Path, in_process: None) -> dict[str, dict[str, Any]]:
     store = LLM(
         **store_args(
             text_model,
-            kv_cache_memory_bytes=NUM_BLOCKS * (BLOCK_BYTES + STORE_BYTES),
+            kv_cache_memory_bytes=NUM_BLOCKS * (BLOCK_BYTES + STORE_BYTES) + STAGED_BYTES,
             max_num_batched_tokens=CHUNK,
             max_model_len=512,
         )

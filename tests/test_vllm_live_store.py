@@ -34,6 +34,8 @@ BLOCK_BYTES = 2 * 2 * 2 * 32 * live.BLOCK_SIZE * 4
 # The store's rows of a block (128 float32 values a token): an engine with the
 # store holds them in the same budget, so it is given both for as many blocks.
 STORE_BYTES = 128 * live.BLOCK_SIZE * 4
+# The bound on the staged steps' copies, which the budget holds too.
+STAGED_BYTES = 256 * 2**10
 # Waves of (image seed, cache salt): each wave is one generate call, so its
 # requests run in the same steps; a request repeated within a wave hits the
 # blocks its twin computes in the same step.
@@ -61,20 +63,21 @@ def vl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def store_args(model: Path, **overrides: Any) -> dict[str, Any]:
-    return live.engine_args(
-        model,
-        worker_cls=WORKER,
+    args: dict[str, Any] = {
+        "worker_cls": WORKER,
         # As a user passes it (README): LLM turns the dict into a KVTransferConfig.
-        kv_transfer_config={
+        "kv_transfer_config": {
             "kv_connector": "OmniStoreConnector",
             "kv_connector_module_path": "omnicache.integrations.vllm.connector",
             "kv_role": "kv_both",
+            "kv_connector_extra_config": {"max_staged_bytes": STAGED_BYTES},
         },
-        kv_cache_memory_bytes=NUM_BLOCKS * (BLOCK_BYTES + STORE_BYTES),
-        max_model_len=512,
-        limit_mm_per_prompt={"image": 1},
-        **overrides,
-    )
+        "kv_cache_memory_bytes": NUM_BLOCKS * (BLOCK_BYTES + STORE_BYTES) + STAGED_BYTES,
+        "max_model_len": 512,
+        "limit_mm_per_prompt": {"image": 1},
+    }
+    args.update(overrides)
+    return live.engine_args(model, **args)
 
 
 # Every other request also asks for its prompt's logprobs (vLLM's own prefix
@@ -257,12 +260,29 @@ def test_hits_are_vllms_own_and_every_hit_read_its_stamped_rows(
 def test_the_kv_cache_and_the_store_share_the_budget_the_engine_was_given(
     runs: dict[str, dict[str, Any]],
 ) -> None:
-    # Given NUM_BLOCKS x (KV + store rows), the engine with the store has
-    # NUM_BLOCKS blocks, as vLLM alone given NUM_BLOCKS x KV (the same hits:
-    # see above), and the two fill the budget exactly.
+    # Given NUM_BLOCKS x (KV + store rows) and the staged steps' bound, the
+    # engine with the store has NUM_BLOCKS blocks, as vLLM alone given
+    # NUM_BLOCKS x KV (the same hits: see above), and the three fill the
+    # budget exactly.
     stats = runs["store"]["stats"]
     assert stats["kv_cache_nbytes"] == NUM_BLOCKS * BLOCK_BYTES
     assert stats["store_nbytes"] == NUM_BLOCKS * STORE_BYTES
-    assert stats["kv_cache_nbytes"] + stats["store_nbytes"] == NUM_BLOCKS * (
-        BLOCK_BYTES + STORE_BYTES
+    assert stats["max_staged_nbytes"] == STAGED_BYTES
+    assert (
+        stats["kv_cache_nbytes"] + stats["store_nbytes"] + stats["max_staged_nbytes"]
+        == NUM_BLOCKS * (BLOCK_BYTES + STORE_BYTES) + STAGED_BYTES
     )
+
+
+@pytest.mark.parametrize("budget", [STAGED_BYTES, STAGED_BYTES - 1])
+def test_a_budget_the_staged_steps_bound_fills_is_refused_at_start(
+    vl_model: Path, in_process: None, budget: int
+) -> None:
+    from vllm import LLM
+
+    with pytest.raises(
+        ValueError,
+        match=r"OmniCPUWorker: expected a KV cache budget over the staged steps' 262144 bytes "
+        rf"\(kv_connector_extra_config\['max_staged_bytes'\]\), found {budget} bytes",
+    ):
+        LLM(**store_args(vl_model, kv_cache_memory_bytes=budget))

@@ -86,6 +86,7 @@ from omnicache.integrations.vllm.identifiers import multi_modal_uuids
 
 __all__ = [
     "KV_BYTES_PER_TOKEN",
+    "STAGED_BYTES",
     "WARMUP_REQUESTS",
     "EngineRun",
     "LiveDemoConfig",
@@ -103,6 +104,8 @@ __all__ = [
 ASK = {PROMPT_HIDDEN_STATES: True}
 # The tiny model's KV per token: 2 layers x (K, V) x 2 KV heads x 32 values x 4 bytes.
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4
+# The bound on an engine's staged steps' copies (``max_staged_bytes``), part of its budget.
+STAGED_BYTES = 2**20
 WARMUP_REQUESTS = 4
 RUN_NAMES = ("prefix caching off", "vLLM's prefix caching", "omnicache")
 
@@ -315,20 +318,22 @@ def _in_process() -> Iterator[None]:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
 
 
-def kv_budget(kv_bytes: int, model: Path, *, store: bool) -> int:
+def kv_budget(kv_bytes: int, model: Path, *, store: bool, staged_bytes: int = STAGED_BYTES) -> int:
     """``kv_cache_memory_bytes`` for ``kv_bytes`` of a tiny model's KV cache.
 
     An engine with omnicache's store holds its rows in the same budget on
     the CPU: it is given their bytes beside (its text model's hidden size in
     float32 a token), for as many blocks as an engine without it (the tiny
-    models' KV a token: `KV_BYTES_PER_TOKEN`).
+    models' KV a token: `KV_BYTES_PER_TOKEN`), and ``staged_bytes``, the
+    bound on its staged steps' copies it is configured with
+    (``store_kv_transfer_config(max_staged_bytes=...)``).
     """
     if not store:
         return kv_bytes
     from transformers import AutoConfig
 
     hidden = int(AutoConfig.from_pretrained(str(model)).get_text_config().hidden_size)
-    return kv_bytes * (KV_BYTES_PER_TOKEN + 4 * hidden) // KV_BYTES_PER_TOKEN
+    return kv_bytes * (KV_BYTES_PER_TOKEN + 4 * hidden) // KV_BYTES_PER_TOKEN + staged_bytes
 
 
 def engine_args(
@@ -336,8 +341,9 @@ def engine_args(
 ) -> dict[str, Any]:
     """Run ``run``'s engine: ``config.num_blocks`` blocks in every run.
 
-    NOTE: an engine with the store (runs 0 and 2) holds the store's rows in
-    its KV cache budget: it is given the bytes of both for as many blocks.
+    NOTE: an engine with the store (runs 0 and 2) holds the store's rows and
+    its staged steps' copies in its KV cache budget: it is given the bytes
+    of all three for as many blocks (`kv_budget`).
     """
     kv_bytes = config.num_blocks * config.block_size * KV_BYTES_PER_TOKEN
     args: dict[str, Any] = {
@@ -355,7 +361,10 @@ def engine_args(
         "seed": 0,
     }
     if run != 1:
-        args.update(worker_cls=WORKER_CLS, kv_transfer_config=store_kv_transfer_config())
+        args.update(
+            worker_cls=WORKER_CLS,
+            kv_transfer_config=store_kv_transfer_config(max_staged_bytes=STAGED_BYTES),
+        )
     if run == 2:
         args["scheduler_cls"] = SCHEDULER_CLS
     return args

@@ -205,11 +205,12 @@ def _talker_args(model: Path, cfg: LiveDemoConfig, run: int, num_requests: int) 
     args["max_model_len"] = args["max_num_batched_tokens"] = cfg.max_model_len + TALKER_TOKENS
     if "kv_transfer_config" in args:
         # Every talker result waits until the trace is served (see `_serve`).
-        extra = {"max_prompt_results": max(num_requests, 1)}
-        args["kv_transfer_config"] = {
-            **args["kv_transfer_config"],
-            "kv_connector_extra_config": extra,
+        transfer = args["kv_transfer_config"]
+        extra = {
+            **transfer.get("kv_connector_extra_config", {}),
+            "max_prompt_results": max(num_requests, 1),
         }
+        args["kv_transfer_config"] = {**transfer, "kv_connector_extra_config": extra}
     return args
 
 

@@ -74,13 +74,21 @@ REQUEST_FIELDS = (PROMPT_HIDDEN_STATES, ALL_HIDDEN_STATES)
 its own)."""
 
 
-def store_kv_transfer_config() -> dict[str, str]:
-    """The ``kv_transfer_config`` that carries each step's plan to `WORKER_CLS` (a new dict)."""
-    return {
+def store_kv_transfer_config(*, max_staged_bytes: int | None = None) -> dict[str, Any]:
+    """The ``kv_transfer_config`` that carries each step's plan to `WORKER_CLS` (a new dict).
+
+    ``max_staged_bytes``: the bound on the staged steps' copies, which the
+    worker takes out of the KV cache budget (None: the worker's default,
+    see `worker.OmniWorkerMixin.determine_available_memory`).
+    """
+    config: dict[str, Any] = {
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both",
     }
+    if max_staged_bytes is not None:
+        config["kv_connector_extra_config"] = {"max_staged_bytes": max_staged_bytes}
+    return config
 
 
 def _flag(extra: Any, key: str) -> bool:

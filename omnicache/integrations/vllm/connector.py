@@ -31,7 +31,7 @@ by the worker), and what it knows itself is the configuration:
 Configuration: ``kv_transfer_config={"kv_connector": "OmniStoreConnector",
 "kv_connector_module_path": "omnicache.integrations.vllm.connector",
 "kv_role": "kv_both"}``; ``kv_connector_extra_config`` may set
-``max_prompt_results`` (see the worker) and the tier (``tier_url``,
+``max_prompt_results`` and ``max_staged_bytes`` (see the worker) and the tier (``tier_url``,
 ``tier_namespace``, ``tier_prefix``: `tier.tier_config`; a tier needs
 ``kv_load_failure_policy="recompute"``). What cannot be served exactly is
 refused here, at start: speculative decoding, a tier without prefix caching

@@ -71,10 +71,12 @@ __all__ = [
     "MAX_DEFERRED_STEPS",
     "MAX_HOST_STEP_BYTES",
     "MAX_STAGED_BYTES",
+    "STAGED_BUDGET_SHARE",
     "LiveStore",
     "LiveStoreStats",
     "PromptScorer",
     "ScoredPrompt",
+    "default_max_staged_bytes",
     "follower_store",
 ]
 
@@ -87,6 +89,8 @@ memory the copies take (beside the model, on its device).
 """
 MAX_STAGED_BYTES = 32 * 2**20
 """`LiveStore`'s default ``max_staged_bytes``."""
+STAGED_BUDGET_SHARE = 16
+"""A vLLM worker's default ``max_staged_bytes`` is at most 1/16 of its KV cache budget."""
 MAX_HOST_STEP_BYTES = 2**20
 """The largest step, in bytes of its rows, whose rows wait to be written on the CPU.
 
@@ -216,6 +220,17 @@ class PromptScorer(Protocol):
                 without blocks gets no value that could pass for one.
         """
         ...
+
+
+def default_max_staged_bytes(budget: int) -> int:
+    """The default bound on the staged steps' copies of a worker given ``budget`` bytes.
+
+    `MAX_STAGED_BYTES`, or a `STAGED_BUDGET_SHARE`-th of the budget if less:
+    the copies come out of the budget (the worker's
+    ``determine_available_memory``), and a small one keeps most of it.
+    """
+    check_int("budget", budget, minimum=0)
+    return min(MAX_STAGED_BYTES, budget // STAGED_BUDGET_SHARE)
 
 
 def follower_store(num_blocks: int, block_size: int) -> TensorStore:

@@ -71,7 +71,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from omnicache.checks import type_name
+from omnicache.checks import check_int, type_name
 from omnicache.integrations.vllm.common import (
     CONNECTOR_NAME,
     GPU_WORKER_CLS,
@@ -83,6 +83,7 @@ from omnicache.integrations.vllm.live_store import (
     FOLLOWER_DTYPE,
     LiveStore,
     ScoredPrompt,
+    default_max_staged_bytes,
     follower_store,
 )
 from omnicache.integrations.vllm.plan import StepPlan
@@ -371,35 +372,79 @@ class OmniWorkerMixin:
         self._omni_scorer: PromptOutputs | None = None
         self._omni_layer: str | None = None
         self._omni_kv_bytes = 0
+        self._omni_max_staged_bytes: int | None = None
 
     def determine_available_memory(self) -> int:
-        """vLLM's KV cache budget, less the store's share where the store takes the same memory.
+        """vLLM's KV cache budget, less what the store takes of the same memory.
 
-        On the CPU the store's rows and vLLM's KV cache are both host memory:
-        vLLM gets ``budget * kv / (kv + store)`` (per block: every layer's KV
-        page; the store's rows on this rank), so that its blocks and the
-        store's rows of as many blocks fit the budget the user gave
-        (``kv_cache_memory_bytes``, ``VLLM_CPU_KVCACHE_SPACE`` or
-        ``gpu_memory_utilization``). On a GPU the store lives in host memory,
-        outside the device's budget, which vLLM gets whole.
+        The budget is the one the user gave (``kv_cache_memory_bytes``,
+        ``VLLM_CPU_KVCACHE_SPACE`` or ``gpu_memory_utilization``). The staged
+        steps' copies (`LiveStore`, on the model's device: up to
+        ``max_staged_bytes``, `_omni_staged_bytes`) come out of it first. On
+        the CPU the store's rows and vLLM's KV cache are both host memory:
+        vLLM gets ``rest * kv / (kv + store)`` of the rest (per block: every
+        layer's KV page; the store's rows on this rank), so that its blocks
+        and the store's rows of as many blocks fit. On a GPU the store lives
+        in host memory, outside the device's budget, and vLLM gets the rest.
+
+        Raises:
+            ValueError: the budget does not exceed the staged copies' bound.
         """
         available = int(super().determine_available_memory())  # type: ignore[misc]
+        staged = self._omni_staged_bytes(available)
+        if staged >= available:
+            raise ValueError(
+                f"{type(self).__name__}: expected a KV cache budget over the staged steps' "
+                f"{staged} bytes (kv_connector_extra_config['max_staged_bytes']), found "
+                f"{available} bytes"
+            )
+        rest = available - staged
         if not self._omni_store_in_kv_budget():
-            return available
+            _ENGINE_LOG.info(
+                "omnicache (rank %d): of the KV cache budget, %.1f MiB, the staged steps' "
+                "copies take up to %.1f MiB: vLLM's KV cache gets %.1f MiB",
+                get_tensor_model_parallel_rank(),
+                available / 2**20,
+                staged / 2**20,
+                rest / 2**20,
+            )
+            return rest
         kv, store = self._omni_bytes_per_block()
-        granted = available * kv // (kv + store)
+        granted = rest * kv // (kv + store)
         # NOTE: before vLLM sizes its cache: if the rest cannot hold one request of
         # max_model_len, vLLM's refusal follows this line.
         _ENGINE_LOG.info(
-            "omnicache (rank %d): of the KV cache budget, %.1f MiB, the store's rows take "
-            "%d bytes a block beside vLLM's %d: vLLM's KV cache gets %.1f MiB",
+            "omnicache (rank %d): of the KV cache budget, %.1f MiB, the staged steps' copies "
+            "take up to %.1f MiB and the store's rows %d bytes a block beside vLLM's %d: "
+            "vLLM's KV cache gets %.1f MiB",
             get_tensor_model_parallel_rank(),
             available / 2**20,
+            staged / 2**20,
             store,
             kv,
             granted / 2**20,
         )
         return granted
+
+    def _omni_staged_bytes(self, available: int) -> int:
+        """The bound on the staged steps' copies (`LiveStore`'s ``max_staged_bytes``).
+
+        ``kv_connector_extra_config["max_staged_bytes"]`` (0: no step waits),
+        by default `default_max_staged_bytes` of the budget (32 MiB, or a
+        sixteenth of the budget if less). The same on every rank given the
+        same budget: each writes its staged steps at the same step.
+        """
+        extra = self.vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        if "max_staged_bytes" in extra:
+            given = check_int(
+                "kv_connector_extra_config['max_staged_bytes']",
+                extra["max_staged_bytes"],
+                minimum=0,
+            )
+        else:
+            given = default_max_staged_bytes(available)
+        self._omni_max_staged_bytes = given
+        return given
 
     def _omni_store_in_kv_budget(self) -> bool:
         """Whether the store (host memory) takes the memory vLLM's KV cache does: on the CPU."""
@@ -461,6 +506,13 @@ class OmniWorkerMixin:
             )
         )
         extra = self.vllm_config.kv_transfer_config.kv_connector_extra_config
+        max_staged_bytes = self._omni_max_staged_bytes
+        if max_staged_bytes is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: expected vLLM to ask for the KV cache budget "
+                "(determine_available_memory) before allocating the KV cache, found it did not: "
+                "the staged steps' copies would be outside the budget"
+            )
         self.omni_store = LiveStore(
             store,
             max_results=extra.get("max_prompt_results", DEFAULT_MAX_PROMPT_RESULTS),
@@ -468,22 +520,25 @@ class OmniWorkerMixin:
             scorer=self._omni_scorer,
             share=None if num_ranks == 1 else _share_from_first_rank,
             keeps_results=rank == 0,
+            max_staged_bytes=max_staged_bytes,
         )
         connector.bind_worker_side(self.omni_store)
         kv_bytes = self._omni_kv_bytes = (
             kv_cache_config.num_blocks * self._omni_bytes_per_block()[0]
         )
         where = (
-            "the KV cache's budget holds both"
+            "the KV cache's budget holds all three"
             if self._omni_store_in_kv_budget()
             else "the store is host memory, outside the device's budget"
         )
         _ENGINE_LOG.info(
-            "omnicache (rank %d): vLLM's KV cache %d blocks, %.1f MiB; the store %.1f MiB; %s",
+            "omnicache (rank %d): vLLM's KV cache %d blocks, %.1f MiB; the store %.1f MiB; "
+            "staged steps' copies up to %.1f MiB; %s",
             rank,
             kv_cache_config.num_blocks,
             kv_bytes / 2**20,
             store.nbytes / 2**20,
+            max_staged_bytes / 2**20,
             where,
         )
 
@@ -531,7 +586,9 @@ class OmniWorkerMixin:
         """The live store's counters and its store's, the latter prefixed ``store_``.
 
         ``store_nbytes``: the bytes the store holds (a follower's: one a row);
-        ``kv_cache_nbytes``: those of vLLM's KV cache on this rank.
+        ``kv_cache_nbytes``: those of vLLM's KV cache on this rank;
+        ``max_staged_nbytes``: the bound on the staged steps' copies (all
+        three out of the budget on the CPU; the last on a GPU).
 
         With a tier, also the worker's tier counters (prefixed ``tier_``) and
         those of its Redis client (prefixed ``redis_``).
@@ -544,6 +601,7 @@ class OmniWorkerMixin:
         stats.update({f"store_{k}": v for k, v in asdict(live.store.stats).items()})
         stats["store_nbytes"] = live.store.nbytes
         stats["kv_cache_nbytes"] = self._omni_kv_bytes
+        stats["max_staged_nbytes"] = live.max_staged_bytes
         if live.tier is not None:
             stats.update({f"tier_{k}": v for k, v in asdict(live.tier.stats).items()})
             stats.update({f"redis_{k}": v for k, v in asdict(live.tier.tier.stats).items()})
