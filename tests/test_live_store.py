@@ -103,6 +103,36 @@ def test_a_hit_reads_the_stored_rows_then_the_steps_rows() -> None:
     assert live.take({"a": "key-a", "b": "key-b"}) == {}
 
 
+def test_requests_sharing_hit_blocks_get_each_their_own_blocks_then_their_rows() -> None:
+    live = new_live()
+    # Request "a" fills blocks 1, 2 and 3 (12 tokens, every block full).
+    first = StepPlan(
+        caching=True,
+        requests=(PlannedRequest("a", 0, 12, (1, 2, 3)),),
+        block_keys={1: K[1], 2: K[2], 3: K[3]},
+    )
+    live.apply(first, ["a"], rows(100, 12), slots_of(first, ["a"]))
+    # "b" hits blocks 1 and 2, "c" blocks 1 and 3: each block is read once, in
+    # the batch's order (c's first), so b's are not next to each other there.
+    second = StepPlan(
+        caching=True,
+        requests=(
+            PlannedRequest("b", 8, 1, (4,), (1, 2), (K[1], K[2])),
+            PlannedRequest("c", 8, 1, (5,), (1, 3), (K[1], K[3])),
+        ),
+        prompt_requests={"b": 9, "c": 9},
+        result_keys={"b": "key-b", "c": "key-c"},
+    )
+    live.apply(second, ["c", "b"], rows(500, 2), slots_of(second, ["c", "b"]))
+    found = live.take({"b": "key-b", "c": "key-c"})
+    assert torch.equal(found["b"], torch.cat([rows(100, 8), rows(501, 1)]))  # type: ignore[arg-type]
+    assert torch.equal(  # type: ignore[arg-type]
+        found["c"], torch.cat([rows(100, 4), rows(108, 4), rows(500, 1)])
+    )
+    assert live.store.stats.num_hit_blocks_read == 3
+    assert (live.stats.num_hit_blocks, live.stats.num_prompt_results) == (4, 2)
+
+
 def test_a_hit_on_a_cleared_block_is_counted_and_never_served() -> None:
     live = new_live()
     plan = StepPlan(

@@ -173,6 +173,9 @@ class _Prompt:
             return None
         if not self.chunks:
             return None
+        if len(self.chunks) == 1:
+            # NOTE: a chunk is the store's own copy: no need for another.
+            return self.chunks[0][1][:num_rows]
         return torch.cat([part for _, part in self.chunks])[:num_rows]
 
 
@@ -798,7 +801,9 @@ class LiveStore:
                 prompt = None
             scores = bool(item.hit_block_ids) and scorer is not None and scorer.wants(item.req_id)
             if prompt is not None and not item.hit_block_ids:
-                self._add(item.req_id, prompt, item.start, rows.clone())
+                # NOTE: results wait in the store's memory (host memory beside a GPU)
+                # until taken, as the hits' rows do: a copy of vLLM's buffer.
+                self._add(item.req_id, prompt, item.start, rows.to(self.store.device, copy=True))
             elif prompt is not None or scores:
                 needs.append((item, rows, verified, prompt, scores))
         if not needs:
@@ -840,8 +845,25 @@ class LiveStore:
                 if ids is None:
                     self._finish(item.req_id, None)
                 else:
-                    hit = blocks[list(ids)].flatten(0, 1)
-                    self._add(item.req_id, prompt, 0, torch.cat([hit, rows]))
+                    # The hit's blocks, then the step's rows, in one tensor beside the
+                    # store's rows (the step's may be on the model's device).
+                    num_hit = len(ids) * bs
+                    whole = hit_rows.new_empty((num_hit + len(rows), hidden))
+                    first = ids[0]
+                    if ids[-1] - first == len(ids) - 1 and ids == tuple(
+                        range(first, first + len(ids))
+                    ):
+                        # Blocks read for this request alone: one run.
+                        whole[:num_hit].copy_(hit_rows[first * bs : first * bs + num_hit])
+                    else:
+                        torch.index_select(
+                            blocks,
+                            0,
+                            torch.tensor(ids, device=blocks.device),
+                            out=whole[:num_hit].view(-1, bs, hidden),
+                        )
+                    whole[num_hit:].copy_(rows)
+                    self._add(item.req_id, prompt, 0, whole)
             if scores:
                 scored.append(ScoredPrompt(item.req_id, item.start, ids))
                 self._count_scored(item, ids is not None)
