@@ -853,7 +853,7 @@ class LiveStore:
                     if ids[-1] - first == len(ids) - 1 and ids == tuple(
                         range(first, first + len(ids))
                     ):
-                        # Blocks read for this request alone: one run.
+                        # The request's blocks were read next to each other: one slice.
                         whole[:num_hit].copy_(hit_rows[first * bs : first * bs + num_hit])
                     else:
                         torch.index_select(
