@@ -850,9 +850,7 @@ class LiveStore:
                     num_hit = len(ids) * bs
                     whole = hit_rows.new_empty((num_hit + len(rows), hidden))
                     first = ids[0]
-                    if ids[-1] - first == len(ids) - 1 and ids == tuple(
-                        range(first, first + len(ids))
-                    ):
+                    if ids == tuple(range(first, first + len(ids))):
                         # The request's blocks were read next to each other: one slice.
                         whole[:num_hit].copy_(hit_rows[first * bs : first * bs + num_hit])
                     else:

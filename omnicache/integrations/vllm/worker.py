@@ -391,7 +391,7 @@ class OmniWorkerMixin:
             ValueError: the budget does not exceed the staged copies' bound.
         """
         available = int(super().determine_available_memory())  # type: ignore[misc]
-        staged = self._omni_staged_bytes(available)
+        staged = self._omni_max_staged_bytes = self._omni_staged_bytes(available)
         if staged >= available:
             raise ValueError(
                 f"{type(self).__name__}: expected a KV cache budget over the staged steps' "
@@ -432,19 +432,14 @@ class OmniWorkerMixin:
         ``kv_connector_extra_config["max_staged_bytes"]`` (0: no step waits),
         by default `default_max_staged_bytes` of the budget (32 MiB, or a
         sixteenth of the budget if less). The same on every rank given the
-        same budget: each writes its staged steps at the same step.
+        same budget: each then writes its staged steps at the same step.
         """
         extra = self.vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-        if "max_staged_bytes" in extra:
-            given = check_int(
-                "kv_connector_extra_config['max_staged_bytes']",
-                extra["max_staged_bytes"],
-                minimum=0,
-            )
-        else:
-            given = default_max_staged_bytes(available)
-        self._omni_max_staged_bytes = given
-        return given
+        if "max_staged_bytes" not in extra:
+            return default_max_staged_bytes(available)
+        return check_int(
+            "kv_connector_extra_config['max_staged_bytes']", extra["max_staged_bytes"], minimum=0
+        )
 
     def _omni_store_in_kv_budget(self) -> bool:
         """Whether the store (host memory) takes the memory vLLM's KV cache does: on the CPU."""
