@@ -50,7 +50,7 @@ from omnicache.integrations.vllm.common import (
     WORKER_CLS,
     store_kv_transfer_config,
 )
-from omnicache.integrations.vllm.live_store import MAX_STAGED_BYTES
+from omnicache.integrations.vllm.staged_steps import MAX_STAGED_BYTES
 
 BLOCK_SIZE = 32
 MODES = ("vLLM", "omnicache keys", "keys + store")

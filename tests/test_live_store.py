@@ -4,24 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import cast
 
 import numpy as np
 import pytest
 import torch
 
 from omnicache.block_hash import BlockHash
-from omnicache.integrations.vllm.live_store import (
-    MAX_STAGED_BYTES,
-    LiveStore,
-    ScoredPrompt,
-    default_max_staged_bytes,
-)
+from omnicache.integrations.vllm.live_store import LiveStore, ScoredPrompt
 from omnicache.integrations.vllm.plan import (
     PlannedRequest,
     StepPlan,
     block_ids_of,
     planned_slots,
 )
+from omnicache.integrations.vllm.staged_steps import MAX_STAGED_BYTES, default_max_staged_bytes
 from omnicache.store import HIDDEN_STATES, TensorStore
 
 BS = 4  # tokens per block
@@ -29,10 +26,17 @@ HIDDEN = 3
 K = [BlockHash(bytes([i]) * 32) for i in range(8)]
 
 
-def new_live(max_results: int = 8) -> LiveStore:
+@pytest.fixture(params=[None, True], ids=["rows-as-computed", "copies"])
+def copy_steps(request: pytest.FixtureRequest) -> bool | None:
+    """How a staged step keeps its rows: the CPU's own rows and slot values, or copies (a GPU's)."""
+    return cast("bool | None", request.param)
+
+
+def new_live(max_results: int = 8, *, copy_steps: bool | None) -> LiveStore:
     return LiveStore(
         TensorStore(8, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32),
         max_results=max_results,
+        copy_steps=copy_steps,
     )
 
 
@@ -61,8 +65,8 @@ def test_block_ids_and_planned_slots() -> None:
     assert planned_slots([PlannedRequest("a", 0, 5, (1,))], BS) is None
 
 
-def test_a_hit_reads_the_stored_rows_then_the_steps_rows() -> None:
-    live = new_live()
+def test_a_hit_reads_the_stored_rows_then_the_steps_rows(copy_steps: bool | None) -> None:
+    live = new_live(copy_steps=copy_steps)
     # Request "a": 9 prompt tokens in blocks 1, 2, 3; the first two blocks are full.
     first = StepPlan(
         caching=True,
@@ -103,8 +107,10 @@ def test_a_hit_reads_the_stored_rows_then_the_steps_rows() -> None:
     assert live.take({"a": "key-a", "b": "key-b"}) == {}
 
 
-def test_requests_sharing_hit_blocks_get_each_their_own_blocks_then_their_rows() -> None:
-    live = new_live()
+def test_requests_sharing_hit_blocks_get_each_their_own_blocks_then_their_rows(
+    copy_steps: bool | None,
+) -> None:
+    live = new_live(copy_steps=copy_steps)
     # Request "a" fills blocks 1, 2 and 3 (12 tokens, every block full).
     first = StepPlan(
         caching=True,
@@ -133,8 +139,8 @@ def test_requests_sharing_hit_blocks_get_each_their_own_blocks_then_their_rows()
     assert (live.stats.num_hit_blocks, live.stats.num_prompt_results) == (4, 2)
 
 
-def test_a_hit_on_a_cleared_block_is_counted_and_never_served() -> None:
-    live = new_live()
+def test_a_hit_on_a_cleared_block_is_counted_and_never_served(copy_steps: bool | None) -> None:
+    live = new_live(copy_steps=copy_steps)
     plan = StepPlan(
         caching=True,
         requests=(PlannedRequest("a", 0, 8, (1, 2)),),
@@ -160,8 +166,8 @@ def test_a_hit_on_a_cleared_block_is_counted_and_never_served() -> None:
     assert (live.store.stats.num_stale_reads, live.store.stats.num_hit_blocks_read) == (0, 0)
 
 
-def test_slots_other_than_planned_stamp_nothing() -> None:
-    live = new_live()
+def test_slots_other_than_planned_stamp_nothing(copy_steps: bool | None) -> None:
+    live = new_live(copy_steps=copy_steps)
     plan = StepPlan(caching=True, requests=(PlannedRequest("a", 0, 4, (1,)),), block_keys={1: K[1]})
     live.apply(plan, ["a"], rows(0, 4), torch.tensor([8, 9, 10, 11]))
     # A prefill step that only writes waits to be written, as a decode step does.
@@ -173,8 +179,10 @@ def test_slots_other_than_planned_stamp_nothing() -> None:
     assert live.store.filled_of(HIDDEN_STATES, 2) == BS
 
 
-def test_prompt_across_chunks_results_capped_and_unfinished_dropped() -> None:
-    live = new_live(max_results=1)
+def test_prompt_across_chunks_results_capped_and_unfinished_dropped(
+    copy_steps: bool | None,
+) -> None:
+    live = new_live(max_results=1, copy_steps=copy_steps)
     for req_id in ("a", "b"):
         plans = [
             StepPlan(
@@ -204,19 +212,25 @@ def test_prompt_across_chunks_results_capped_and_unfinished_dropped() -> None:
     )
 
 
-def test_rows_of_other_requests_than_planned_are_refused() -> None:
-    live = new_live()
+def test_rows_of_other_requests_than_planned_are_refused(copy_steps: bool | None) -> None:
+    live = new_live(copy_steps=copy_steps)
     plan = StepPlan(caching=False, requests=(PlannedRequest("a", 0, 2),))
     with pytest.raises(RuntimeError, match=r"expected rows of the planned requests \['a'\]"):
         live.apply(plan, ["b"], rows(0, 2))
     with pytest.raises(ValueError, match=r"max_results: expected"):
-        LiveStore(TensorStore(8, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32), max_results=0)
+        LiveStore(
+            TensorStore(8, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32),
+            max_results=0,
+            copy_steps=copy_steps,
+        )
     with pytest.raises(ValueError, match=r"store: expected an entry 'hidden_states', found \[\]"):
-        LiveStore(TensorStore(8, BS), max_results=1)
+        LiveStore(TensorStore(8, BS), max_results=1, copy_steps=copy_steps)
 
 
-def test_a_result_is_taken_with_its_key_only_and_within_the_size_asked() -> None:
-    live = new_live()
+def test_a_result_is_taken_with_its_key_only_and_within_the_size_asked(
+    copy_steps: bool | None,
+) -> None:
+    live = new_live(copy_steps=copy_steps)
     plan = StepPlan(
         False, (PlannedRequest("a", 0, 5),), prompt_requests={"a": 5}, result_keys={"a": "k-a"}
     )
@@ -234,8 +248,10 @@ def test_a_result_is_taken_with_its_key_only_and_within_the_size_asked() -> None
         live.take({"a": 1})  # type: ignore[dict-item]
 
 
-def test_every_position_is_gathered_until_the_request_finishes_or_its_count_is_taken() -> None:
-    live = new_live()
+def test_every_position_is_gathered_until_the_request_finishes_or_its_count_is_taken(
+    copy_steps: bool | None,
+) -> None:
+    live = new_live(copy_steps=copy_steps)
     # "a": a prompt of 5 in two chunks, then 3 decode steps; "b" the same, finished later.
     for req_id in ("a", "b"):
         first = StepPlan(
@@ -284,12 +300,15 @@ class Scores:
             self.scored.append((prompt.req_id, prompt.num_tokens, mine))
 
 
-def test_the_scorer_gets_each_verified_hit_s_rows_once_and_none_for_a_stale_hit() -> None:
+def test_the_scorer_gets_each_verified_hit_s_rows_once_and_none_for_a_stale_hit(
+    copy_steps: bool | None,
+) -> None:
     scorer = Scores({"b", "c", "d"})
     live = LiveStore(
         TensorStore(8, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32),
         max_results=8,
         scorer=scorer,
+        copy_steps=copy_steps,
     )
     first = StepPlan(
         caching=True,
@@ -340,7 +359,9 @@ def test_the_scorer_gets_each_verified_hit_s_rows_once_and_none_for_a_stale_hit(
     assert live.stats.num_score_failures == 1
 
 
-def test_a_follower_keeps_the_first_ranks_stamps_without_its_rows_and_scores_its_rows() -> None:
+def test_a_follower_keeps_the_first_ranks_stamps_without_its_rows_and_scores_its_rows(
+    copy_steps: bool | None,
+) -> None:
     from omnicache.integrations.vllm.live_store import follower_store
 
     shared: list[torch.Tensor] = []
@@ -360,9 +381,15 @@ def test_a_follower_keeps_the_first_ranks_stamps_without_its_rows_and_scores_its
         max_results=8,
         scorer=scorers[0],
         share=broadcast,
+        copy_steps=copy_steps,
     )
     follower = LiveStore(
-        follower_store(8, BS), max_results=8, scorer=scorers[1], share=receive, keeps_results=False
+        follower_store(8, BS),
+        max_results=8,
+        scorer=scorers[1],
+        share=receive,
+        keeps_results=False,
+        copy_steps=copy_steps,
     )
     assert follower.store.nbytes == 8 * BS  # one byte a row
     first = StepPlan(
@@ -403,7 +430,7 @@ def test_a_follower_keeps_the_first_ranks_stamps_without_its_rows_and_scores_its
     assert follower.stats.num_stale_hit_blocks == 0
     # A follower's store needs the first rank's rows: without a share it is refused.
     with pytest.raises(ValueError, match=r"a follower's store \(one byte a row\) expected with a"):
-        LiveStore(follower_store(8, BS), max_results=8, keeps_results=False)
+        LiveStore(follower_store(8, BS), max_results=8, keeps_results=False, copy_steps=copy_steps)
 
 
 def decode_step(tokens: dict[str, tuple[int, int]], keys: dict[int, BlockHash]) -> StepPlan:
@@ -412,8 +439,10 @@ def decode_step(tokens: dict[str, tuple[int, int]], keys: dict[int, BlockHash]) 
     return StepPlan(caching=True, requests=requests, block_keys=keys)
 
 
-def test_decode_steps_write_their_rows_before_anything_reads_the_store() -> None:
-    from omnicache.integrations.vllm.live_store import MAX_DEFERRED_STEPS
+def test_decode_steps_write_their_rows_before_anything_reads_the_store(
+    copy_steps: bool | None,
+) -> None:
+    from omnicache.integrations.vllm.staged_steps import MAX_DEFERRED_STEPS
 
     # Blocks enough for MAX_DEFERRED_STEPS more decode steps of one request.
     live = LiveStore(
@@ -421,6 +450,7 @@ def test_decode_steps_write_their_rows_before_anything_reads_the_store() -> None
             8 + MAX_DEFERRED_STEPS // BS, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32
         ),
         max_results=8,
+        copy_steps=copy_steps,
     )
     # "a" decodes positions 4..7 into block 2 (completing it), "b" 0..3 into block 3.
     stamped: dict[int, BlockHash] = {}
@@ -463,8 +493,10 @@ def test_decode_steps_write_their_rows_before_anything_reads_the_store() -> None
     assert live.stats.num_rows_written == 2 * BS + 1 + 1 + MAX_DEFERRED_STEPS + 1
 
 
-def test_a_decode_step_with_rows_of_other_requests_is_refused_after_the_staged_rows() -> None:
-    live = new_live()
+def test_a_decode_step_with_rows_of_other_requests_is_refused_after_the_staged_rows(
+    copy_steps: bool | None,
+) -> None:
+    live = new_live(copy_steps=copy_steps)
     # "a" decodes positions 4..7 into block 2, completing it.
     for position in range(4, 8):
         plan = decode_step({"a": (position, 2)}, {2: K[2]} if position == 7 else {})
@@ -478,8 +510,10 @@ def test_a_decode_step_with_rows_of_other_requests_is_refused_after_the_staged_r
     assert live.stats.num_rows_written == 4
 
 
-def test_deferred_rows_at_slots_other_than_planned_stamp_nothing_of_their_step() -> None:
-    live = new_live()
+def test_deferred_rows_at_slots_other_than_planned_stamp_nothing_of_their_step(
+    copy_steps: bool | None,
+) -> None:
+    live = new_live(copy_steps=copy_steps)
     good = decode_step({"a": (3, 1)}, {1: K[1]})
     bad = decode_step({"b": (3, 2)}, {2: K[2]})
     for step, plan in enumerate(decode_step({"a": (s, 1)}, {}) for s in range(3)):
@@ -497,9 +531,13 @@ def test_deferred_rows_at_slots_other_than_planned_stamp_nothing_of_their_step()
     assert live.stats.num_rows_written == 8
 
 
-def test_a_decode_step_that_clears_blocks_writes_the_staged_rows_only_if_it_clears_theirs() -> None:
+def test_a_decode_step_that_clears_blocks_writes_the_staged_rows_only_if_it_clears_theirs(
+    copy_steps: bool | None,
+) -> None:
     live = LiveStore(
-        TensorStore(64, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32), max_results=8
+        TensorStore(64, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32),
+        max_results=8,
+        copy_steps=copy_steps,
     )
     live.store.write_blocks(HIDDEN_STATES, rows(0, BS), [9], block_keys=[K[5]])
     live.store.write_blocks(HIDDEN_STATES, rows(0, BS), [10], block_keys=[K[6]])
@@ -523,12 +561,18 @@ def test_a_decode_step_that_clears_blocks_writes_the_staged_rows_only_if_it_clea
     assert live.store.filled_of(HIDDEN_STATES, 10) == 1
 
 
-def test_staged_steps_of_changing_batch_and_padding_are_written_as_computed_on_every_rank() -> None:
+def test_staged_steps_of_changing_batch_and_padding_are_written_as_computed_on_every_rank(
+    copy_steps: bool | None,
+) -> None:
     from omnicache.integrations.vllm.live_store import follower_store
 
-    leader = new_live()
+    leader = new_live(copy_steps=copy_steps)
     follower = LiveStore(
-        follower_store(8, BS), max_results=8, share=lambda rows: rows, keeps_results=False
+        follower_store(8, BS),
+        max_results=8,
+        share=lambda rows: rows,
+        keeps_results=False,
+        copy_steps=copy_steps,
     )
     steps = [
         (decode_step({"a": (0, 1), "b": (0, 2)}, {}), ["a", "b"]),
@@ -544,7 +588,8 @@ def test_staged_steps_of_changing_batch_and_padding_are_written_as_computed_on_e
     # Steps of another batch order and size wait alongside the others.
     assert leader.stats.num_rows_written == follower.stats.num_rows_written == 0
     assert leader.flush() == follower.flush() == {2: K[2]}
-    assert leader.store.stats.num_writes == follower.store.stats.num_writes == 1
+    # Two writes: the two steps of other batch orders, then b's two decode steps.
+    assert leader.store.stats.num_writes == follower.store.stats.num_writes == 2
     assert leader.stats.num_rows_written == follower.stats.num_rows_written == 6
     block_2 = torch.tensor([1.0, 10.0, 20.0, 30.0])[:, None].repeat(1, HIDDEN)
     assert torch.equal(leader.store.read_blocks(HIDDEN_STATES, [2], [K[2]]), block_2)
@@ -554,8 +599,10 @@ def test_staged_steps_of_changing_batch_and_padding_are_written_as_computed_on_e
         assert live.stats.num_slot_mismatches == 0
 
 
-def test_a_staged_block_a_later_step_rewrites_at_unplanned_slots_is_not_reported_stamped() -> None:
-    live = new_live()
+def test_a_staged_block_a_later_step_rewrites_at_unplanned_slots_is_not_reported_stamped(
+    copy_steps: bool | None,
+) -> None:
+    live = new_live(copy_steps=copy_steps)
     for position in range(BS):
         plan = decode_step({"a": (position, 1)}, {1: K[1]} if position == BS - 1 else {})
         live.apply(plan, ["a"], rows(position, 1), slots_of(plan, ["a"]))
@@ -569,7 +616,9 @@ def test_a_staged_block_a_later_step_rewrites_at_unplanned_slots_is_not_reported
     assert live.stats.num_rows_written == BS + 1
 
 
-def test_staged_rows_are_written_once_they_take_max_staged_bytes_on_every_rank() -> None:
+def test_staged_rows_are_written_once_they_take_max_staged_bytes_on_every_rank(
+    copy_steps: bool | None,
+) -> None:
     from omnicache.integrations.vllm.live_store import follower_store
 
     row_bytes = HIDDEN * 4  # float32
@@ -577,6 +626,7 @@ def test_staged_rows_are_written_once_they_take_max_staged_bytes_on_every_rank()
         TensorStore(8, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32),
         max_results=8,
         max_staged_bytes=3 * row_bytes,
+        copy_steps=copy_steps,
     )
     # A follower keeps no rows, yet counts the model's: it writes at the same step.
     follower = LiveStore(
@@ -585,6 +635,7 @@ def test_staged_rows_are_written_once_they_take_max_staged_bytes_on_every_rank()
         share=lambda rows: rows,
         keeps_results=False,
         max_staged_bytes=3 * row_bytes,
+        copy_steps=copy_steps,
     )
     written: dict[str, list[tuple[int, dict[int, BlockHash]]]] = {"live": [], "follower": []}
     for position in range(BS):
@@ -604,11 +655,13 @@ def test_staged_rows_are_written_once_they_take_max_staged_bytes_on_every_rank()
         assert store.stats.num_rows_written == 2 * BS
     assert torch.equal(live.store.read_blocks(HIDDEN_STATES, [2], [K[2]]), rows(7, BS))
     with pytest.raises(ValueError, match="max_staged_bytes"):
-        LiveStore(live.store, max_results=8, max_staged_bytes=-1)
+        LiveStore(live.store, max_results=8, max_staged_bytes=-1, copy_steps=copy_steps)
 
 
-def test_a_staged_step_at_a_slot_outside_the_store_is_refused_before_any_write() -> None:
-    live = new_live()
+def test_a_staged_step_at_a_slot_outside_the_store_is_refused_before_any_write(
+    copy_steps: bool | None,
+) -> None:
+    live = new_live(copy_steps=copy_steps)
     for position in range(2):
         plan = decode_step({"a": (position, 1)}, {})
         live.apply(plan, ["a"], rows(position, 1), slots_of(plan, ["a"]))
@@ -621,9 +674,13 @@ def test_a_staged_step_at_a_slot_outside_the_store_is_refused_before_any_write()
     assert live.stats.num_rows_written == 0
 
 
-def test_prefill_chunks_and_decode_tokens_wait_together_until_a_hit_reads_them() -> None:
+def test_prefill_chunks_and_decode_tokens_wait_together_until_a_hit_reads_them(
+    copy_steps: bool | None,
+) -> None:
     live = LiveStore(
-        TensorStore(16, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32), max_results=8
+        TensorStore(16, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32),
+        max_results=8,
+        copy_steps=copy_steps,
     )
     # "a" prefills 10 tokens in two chunks (blocks 1, 2, 3) while "b" decodes
     # into block 5; the model runner's batch order is not the plan's.
@@ -668,8 +725,10 @@ def test_prefill_chunks_and_decode_tokens_wait_together_until_a_hit_reads_them()
     assert torch.equal(live.store.cached_rows(HIDDEN_STATES)[3 * BS : 3 * BS + 2], a_rows[8:])
 
 
-def test_a_staged_prefill_step_at_other_slots_than_planned_stamps_none_of_its_blocks() -> None:
-    live = new_live()
+def test_a_staged_prefill_step_at_other_slots_than_planned_stamps_none_of_its_blocks(
+    copy_steps: bool | None,
+) -> None:
+    live = new_live(copy_steps=copy_steps)
     good = StepPlan(caching=True, requests=(PlannedRequest("a", 0, 4, (1,)),), block_keys={1: K[1]})
     bad = StepPlan(
         caching=True, requests=(PlannedRequest("b", 0, 8, (2, 3)),), block_keys={2: K[2], 3: K[3]}
@@ -690,14 +749,22 @@ def test_a_staged_prefill_step_at_other_slots_than_planned_stamps_none_of_its_bl
     assert live.stats.num_rows_written == 12
 
 
-def test_steps_that_gather_finish_or_hit_other_blocks_wait_alike_on_every_rank() -> None:
+def test_steps_that_gather_finish_or_hit_other_blocks_wait_alike_on_every_rank(
+    copy_steps: bool | None,
+) -> None:
     from omnicache.integrations.vllm.live_store import FOLLOWER_DTYPE, follower_store
 
     leader = LiveStore(
-        TensorStore(16, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32), max_results=8
+        TensorStore(16, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32),
+        max_results=8,
+        copy_steps=copy_steps,
     )
     follower = LiveStore(
-        follower_store(16, BS), max_results=8, share=lambda rows: rows, keeps_results=False
+        follower_store(16, BS),
+        max_results=8,
+        share=lambda rows: rows,
+        keeps_results=False,
+        copy_steps=copy_steps,
     )
     # Block 7 holds an earlier prompt's rows, stamped on both ranks.
     leader.store.write_blocks(HIDDEN_STATES, rows(70, BS), [7], block_keys=[K[7]])
@@ -745,11 +812,14 @@ def test_steps_that_gather_finish_or_hit_other_blocks_wait_alike_on_every_rank()
     assert leader.stats.num_stale_hit_blocks == follower.stats.num_stale_hit_blocks == 0
     assert leader.flush() == follower.flush() == {1: K[1], 3: K[3]}
     assert leader.stats.num_rows_written == follower.stats.num_rows_written == 13
-    assert leader.store.stats.num_writes == follower.store.stats.num_writes == 1 + 1
+    # Block 7's write, then three: the first two steps, a's three decode steps, h's step.
+    assert leader.store.stats.num_writes == follower.store.stats.num_writes == 1 + 3
 
 
-def test_a_hit_on_a_block_its_own_step_fills_writes_the_step_at_once() -> None:
-    live = new_live()
+def test_a_hit_on_a_block_its_own_step_fills_writes_the_step_at_once(
+    copy_steps: bool | None,
+) -> None:
+    live = new_live(copy_steps=copy_steps)
     plan = StepPlan(
         caching=True,
         requests=(
@@ -766,13 +836,17 @@ def test_a_hit_on_a_block_its_own_step_fills_writes_the_step_at_once() -> None:
     assert torch.equal(b_rows, rows(0, 5))  # type: ignore[arg-type]
 
 
-def test_on_the_cpu_a_step_of_more_than_max_host_step_bytes_is_written_at_once() -> None:
-    from omnicache.integrations.vllm.live_store import MAX_HOST_STEP_BYTES
+def test_on_the_cpu_a_step_of_more_than_max_host_step_bytes_is_written_at_once(
+    copy_steps: bool | None,
+) -> None:
+    from omnicache.integrations.vllm.staged_steps import MAX_HOST_STEP_BYTES
 
     hidden, bs = 1024, 32  # float32: 4 KiB a row
     per_row = hidden * 4
     live = LiveStore(
-        TensorStore(32, bs, hidden_size=hidden, hidden_dtype=torch.float32), max_results=8
+        TensorStore(32, bs, hidden_size=hidden, hidden_dtype=torch.float32),
+        max_results=8,
+        copy_steps=copy_steps,
     )
     fits = MAX_HOST_STEP_BYTES // per_row  # 256 rows: 8 blocks
     written = []
@@ -785,6 +859,101 @@ def test_on_the_cpu_a_step_of_more_than_max_host_step_bytes_is_written_at_once()
     # "a" waits; "b" (9 blocks, over the bytes) is written at once, "a" first.
     assert written == [0, fits + fits + bs]
     assert live.store.stats.num_writes == 2
+
+
+def test_a_prefill_step_and_the_decode_steps_after_it_are_written_apart(
+    copy_steps: bool | None,
+) -> None:
+    live = LiveStore(
+        TensorStore(16, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32),
+        max_results=8,
+        copy_steps=copy_steps,
+    )
+    prefill = StepPlan(
+        caching=True,
+        requests=(PlannedRequest("a", 0, 4, (1,)), PlannedRequest("b", 0, 4, (2,))),
+        block_keys={1: K[1], 2: K[2]},
+    )
+    assert live.apply(prefill, ["a", "b"], rows(0, 8), slots_of(prefill, ["a", "b"])) == {}
+    for step in range(3):
+        plan = decode_step({"a": (4 + step, 3), "b": (4 + step, 4)}, {})
+        assert (
+            live.apply(plan, ["b", "a"], rows(100 + 10 * step, 2), slots_of(plan, ["b", "a"])) == {}
+        )
+    assert live.stats.num_rows_written == 0
+    # Two writes: the prefill step's rows, then the decode steps' request by request.
+    assert live.flush() == {1: K[1], 2: K[2]}
+    assert live.store.stats.num_writes == 2 and live.stats.num_rows_written == 14
+    cached = live.store.cached_rows(HIDDEN_STATES)
+    assert torch.equal(cached[BS : 3 * BS], rows(0, 8))
+    decoded = torch.tensor([100.0, 110.0, 120.0])[:, None].repeat(1, HIDDEN)
+    assert torch.equal(cached[3 * BS : 3 * BS + 3], decoded + 1)  # a's rows come second
+    assert torch.equal(cached[4 * BS : 4 * BS + 3], decoded)
+    assert [live.store.filled_of(HIDDEN_STATES, block) for block in (1, 2, 3, 4)] == [4, 4, 3, 3]
+
+
+def test_staged_steps_of_more_runs_than_max_flush_writes_are_written_in_one(
+    copy_steps: bool | None,
+) -> None:
+    from omnicache.integrations.vllm.staged_steps import MAX_FLUSH_WRITES
+
+    live = LiveStore(
+        TensorStore(16, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32),
+        max_results=8,
+        copy_steps=copy_steps,
+    )
+    # Runs of two decode steps, each run in the other batch order: one run more than
+    # MAX_FLUSH_WRITES. "a" writes blocks 3.., "b" blocks 8...
+    orders = (["a", "b"], ["b", "a"])
+    num_steps = 2 * (MAX_FLUSH_WRITES + 1)
+    for step in range(num_steps):
+        plan = decode_step({"a": (step, 3 + step // BS), "b": (step, 8 + step // BS)}, {})
+        order = orders[step // 2 % 2]
+        values = rows(10 * step, 2)
+        assert live.apply(plan, order, values, slots_of(plan, order)) == {}
+    assert live.flush() == {}
+    assert live.store.stats.num_writes == 1 and live.stats.num_rows_written == 2 * num_steps
+    cached = live.store.cached_rows(HIDDEN_STATES)
+    for step in range(num_steps):
+        first = 10.0 * step  # the row of the order's first request
+        a, b = (first, first + 1) if step // 2 % 2 == 0 else (first + 1, first)
+        assert cached[3 * BS + step, 0] == a and cached[8 * BS + step, 0] == b
+
+
+def test_on_the_cpu_a_model_that_reuses_its_output_is_refused_before_a_staged_row_is_written() -> (
+    None
+):
+    # The model writes every step's rows into one buffer (as a replayed graph does).
+    buffer = torch.zeros(2, HIDDEN)
+    plans = [
+        decode_step({"a": (position, 1)}, {1: K[1]} if position == 3 else {})
+        for position in range(4)
+    ]
+    copying = new_live(copy_steps=True)
+    for position, plan in enumerate(plans):
+        buffer.copy_(rows(position, 2))
+        copying.apply(plan, ["a"], buffer[:1], slots_of(plan, ["a"]))
+    # Copies: every step's rows as computed.
+    assert copying.flush() == {1: K[1]}
+    assert torch.equal(copying.store.read_blocks(HIDDEN_STATES, [1], [K[1]]), rows(0, 4))
+    # The CPU's rows kept as computed: the second step's rows are where the first's
+    # are, which they overwrote; refused, and nothing staged is ever written.
+    live = new_live(copy_steps=None)
+    buffer.copy_(rows(0, 2))
+    assert live.apply(plans[0], ["a"], buffer[:1], slots_of(plans[0], ["a"])) == {}
+    buffer.copy_(rows(1, 2))
+    with pytest.raises(RuntimeError, match=r"found this step's rows where a staged step's are"):
+        live.apply(plans[1], ["a"], buffer[:1], slots_of(plans[1], ["a"]))
+    assert live.flush() == {}
+    assert live.stats.num_rows_written == 0 and live.store.filled_of(HIDDEN_STATES, 1) == 0
+    # A step written at once (it resets the store) is refused the same way.
+    live.apply(plans[0], ["a"], buffer[:1], slots_of(plans[0], ["a"]))
+    hit = StepPlan(caching=True, requests=(PlannedRequest("a", 1, 1, (1,), (), ()),), reset=True)
+    with pytest.raises(RuntimeError, match=r"the 1 staged steps' rows were overwritten"):
+        live.apply(hit, ["a"], buffer[:1], slots_of(hit, ["a"]))
+    assert live.flush() == {} and live.stats.num_rows_written == 0
+    with pytest.raises(TypeError, match="copy_steps: expected a bool or None, found int"):
+        LiveStore(live.store, max_results=8, copy_steps=1)  # type: ignore[arg-type]
 
 
 def test_the_default_staged_bound_is_32_mib_or_a_sixteenth_of_the_budget() -> None:

@@ -30,7 +30,7 @@ import test_vllm_live as live
 pytestmark = live.pytestmark
 
 WORKER = "omnicache.integrations.vllm.worker.OmniCPUWorker"
-# The bound on the staged steps' copies, which the budget holds too.
+# The bound on the staged steps' rows, which the budget holds too.
 STAGED_BYTES = 256 * 2**10
 CONNECTOR = {
     "kv_connector": "OmniStoreConnector",

@@ -34,7 +34,7 @@ BLOCK_BYTES = 2 * 2 * 2 * 32 * live.BLOCK_SIZE * 4
 # The store's rows of a block (128 float32 values a token): an engine with the
 # store holds them in the same budget, so it is given both for as many blocks.
 STORE_BYTES = 128 * live.BLOCK_SIZE * 4
-# The bound on the staged steps' copies, which the budget holds too.
+# The bound on the staged steps' rows, which the budget holds too.
 STAGED_BYTES = 256 * 2**10
 # Waves of (image seed, cache salt): each wave is one generate call, so its
 # requests run in the same steps; a request repeated within a wave hits the

@@ -104,7 +104,7 @@ __all__ = [
 ASK = {PROMPT_HIDDEN_STATES: True}
 # The tiny model's KV per token: 2 layers x (K, V) x 2 KV heads x 32 values x 4 bytes.
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4
-# The bound on an engine's staged steps' copies (``max_staged_bytes``), part of its budget.
+# The bound on an engine's staged steps' rows (``max_staged_bytes``), part of its budget.
 STAGED_BYTES = 2**20
 WARMUP_REQUESTS = 4
 RUN_NAMES = ("prefix caching off", "vLLM's prefix caching", "omnicache")
@@ -325,7 +325,7 @@ def kv_budget(kv_bytes: int, model: Path, *, store: bool, staged_bytes: int = ST
     the CPU: it is given their bytes beside (its text model's hidden size in
     float32 a token), for as many blocks as an engine without it (the tiny
     models' KV a token: `KV_BYTES_PER_TOKEN`), and ``staged_bytes``, the
-    bound on its staged steps' copies it is configured with
+    bound on its staged steps' rows it is configured with
     (``store_kv_transfer_config(max_staged_bytes=...)``).
     """
     if not store:
@@ -342,7 +342,7 @@ def engine_args(
     """Run ``run``'s engine: ``config.num_blocks`` blocks in every run.
 
     NOTE: an engine with the store (runs 0 and 2) holds the store's rows and
-    its staged steps' copies in its KV cache budget: it is given the bytes
+    its staged steps' rows in its KV cache budget: it is given the bytes
     of all three for as many blocks (`kv_budget`).
     """
     kv_bytes = config.num_blocks * config.block_size * KV_BYTES_PER_TOKEN

@@ -77,7 +77,7 @@ its own)."""
 def store_kv_transfer_config(*, max_staged_bytes: int | None = None) -> dict[str, Any]:
     """The ``kv_transfer_config`` that carries each step's plan to `WORKER_CLS` (a new dict).
 
-    ``max_staged_bytes``: the bound on the staged steps' copies, which the
+    ``max_staged_bytes``: the bound on the staged steps' rows, which the
     worker takes out of the KV cache budget (None: the worker's default,
     see `worker.OmniWorkerMixin.determine_available_memory`).
     """

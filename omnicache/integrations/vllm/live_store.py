@@ -29,20 +29,11 @@ Writes come before reads because vLLM caches a block as soon as it is
 allocated: a request scheduled in the same step as the one computing a block
 can hit it, and its rows exist once the step's rows are written.
 
-A step's rows may wait to be written (`LiveStore._staged_slots`): those of a
-step that neither loads nor invalidates, whose hits (verified and read at
-once) are in no block a staged step or the step itself writes. The step
-keeps a copy of its rows and of its slot mapping, made on their device (no
-value of either is read: on a GPU the step never waits for the forward
-pass), until a step that loads, invalidates, or reads or clears a block
-holding staged rows, or until `MAX_DEFERRED_STEPS` of them wait or one more
-step's rows would take more than ``max_staged_bytes`` (a step whose rows
-alone would is written at once, and so is one of more than
-`MAX_HOST_STEP_BYTES` on the CPU). Then they are written first, so whatever
-reads the store finds what writing each step would have left: the staged
-slots are read and compared with the plans' there, once; if every step's
-match, the rows are written in one write with the plans' keys; otherwise
-step by step, in order, a step at other slots than planned without keys.
+A step's rows may wait to be written (`staged_steps`: which steps, what they
+keep, their write): those of a step that neither loads nor invalidates,
+whose hits are in no block a staged step or the step itself writes. The
+staged rows are written before anything that reads or clears their blocks,
+so whatever reads the store finds what writing each step would have left.
 
 Under tensor parallelism, ranks but the first keep a follower's store
 (`follower_store`): the same stamps, one byte a row.
@@ -55,7 +46,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple, Protocol, cast
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -63,43 +54,26 @@ from omnicache.block_hash import BlockHash
 from omnicache.checks import check_int, check_str, type_name
 from omnicache.integrations.vllm.common import CONNECTOR_NAME
 from omnicache.integrations.vllm.plan import PlannedRequest, StepPlan, planned_slots
+from omnicache.integrations.vllm.staged_steps import (
+    MAX_DEFERRED_STEPS,
+    MAX_HOST_STEP_BYTES,
+    MAX_STAGED_BYTES,
+    Staged,
+    staged_slots,
+    write_staged,
+)
 from omnicache.integrations.vllm.tier import WorkerTier
 from omnicache.store import HIDDEN_STATES, TensorStore
 
 __all__ = [
     "FOLLOWER_DTYPE",
-    "MAX_DEFERRED_STEPS",
-    "MAX_HOST_STEP_BYTES",
-    "MAX_STAGED_BYTES",
-    "STAGED_BUDGET_SHARE",
     "LiveStore",
     "LiveStoreStats",
     "PromptScorer",
     "ScoredPrompt",
-    "default_max_staged_bytes",
     "follower_store",
 ]
 
-MAX_DEFERRED_STEPS = 256
-"""The most steps whose rows wait to be written together (`LiveStore`).
-
-A write's cost is mostly its fixed part (about 1 ms on a 2-core host for 4
-to 256 rows), so fewer, larger writes; ``max_staged_bytes`` bounds the
-memory the copies take (beside the model, on its device).
-"""
-MAX_STAGED_BYTES = 32 * 2**20
-"""`LiveStore`'s default ``max_staged_bytes``."""
-STAGED_BUDGET_SHARE = 16
-"""A vLLM worker's default ``max_staged_bytes`` is at most 1/16 of its KV cache budget."""
-MAX_HOST_STEP_BYTES = 2**20
-"""The largest step, in bytes of its rows, whose rows wait to be written on the CPU.
-
-On the CPU reading a step's slots waits for nothing: a step's rows wait
-only to share a write's fixed part (small steps: decode batches, short
-chunks). A larger step's copy, and the larger write it joins, cost more
-than that: in the engine, staging prefill steps of 7.5 MiB doubled the
-store's share of them (0.36% to 0.73%, `benchmarks/bench_live_store.py`).
-"""
 FOLLOWER_DTYPE = torch.uint8
 """A follower's store (`follower_store`) keeps one value of this type a row."""
 
@@ -179,16 +153,6 @@ class _Prompt:
         return torch.cat([part for _, part in self.chunks])[:num_rows]
 
 
-# A step whose rows wait to be written (`LiveStore._stage`): copies of its
-# rows (None in a follower's store) and of its slot mapping, made on their
-# device; its planned slots in the rows' order, its plan's keys and the
-# rows' request ids. NOTE: a tuple: right after the forward pass, the
-# host's every kind of work is cold, a class's constructor one more.
-_StagedStep = tuple[
-    torch.Tensor | None, torch.Tensor, list[int], Mapping[int, BlockHash], Sequence[str]
-]
-
-
 def _nbytes(rows: torch.Tensor) -> int:
     return rows.numel() * rows.element_size()
 
@@ -223,17 +187,6 @@ class PromptScorer(Protocol):
                 without blocks gets no value that could pass for one.
         """
         ...
-
-
-def default_max_staged_bytes(budget: int) -> int:
-    """The default bound on the staged steps' copies of a worker given ``budget`` bytes.
-
-    `MAX_STAGED_BYTES`, or a `STAGED_BUDGET_SHARE`-th of the budget if less:
-    the copies come out of the budget (the worker's
-    ``determine_available_memory``), and a small one keeps most of it.
-    """
-    check_int("budget", budget, minimum=0)
-    return min(MAX_STAGED_BYTES, budget // STAGED_BUDGET_SHARE)
 
 
 def follower_store(num_blocks: int, block_size: int) -> TensorStore:
@@ -274,6 +227,10 @@ class LiveStore:
             model's rows, counted alike on every rank): the staged rows are
             written when one more step's would take more, and a step whose
             rows alone would is written at once (0: every step is).
+        copy_steps: whether a staged step keeps copies of its rows and slot
+            mapping, made on their device, or the model's rows themselves and
+            its slots' values (see `_stage`). None: copies of a device's,
+            the CPU's themselves.
     """
 
     def __init__(
@@ -286,6 +243,7 @@ class LiveStore:
         share: Callable[[torch.Tensor], torch.Tensor] | None = None,
         keeps_results: bool = True,
         max_staged_bytes: int = MAX_STAGED_BYTES,
+        copy_steps: bool | None = None,
     ) -> None:
         if not isinstance(store, TensorStore):
             raise TypeError(f"store: expected a TensorStore, found {type_name(store)}")
@@ -301,13 +259,9 @@ class LiveStore:
             )
         self.share = share
         self._mark_rows = torch.zeros((0, 1), dtype=FOLLOWER_DTYPE)
-        # Steps whose rows wait to be written (`_stage`), one entry a step,
-        # the bytes of the model's rows they stand for, and the blocks of their
-        # planned slots (`_clears_staged`). And the blocks a write in `begin`
-        # stamped (saved to the tier by `apply`).
-        self._staged: list[_StagedStep] = []
-        self._staged_nbytes = 0
-        self._staged_blocks: set[int] = set()
+        # Steps whose rows wait to be written (`_stage`). And the blocks a
+        # write in `begin` stamped (saved to the tier by `apply`).
+        self._staged = Staged()
         self._flushed: dict[int, BlockHash] = {}
         self.store = store
         self.tier = tier
@@ -315,6 +269,9 @@ class LiveStore:
         self.max_results = check_int("max_results", max_results, minimum=1)
         self.max_staged_bytes = check_int("max_staged_bytes", max_staged_bytes, minimum=0)
         self.keeps_results = keeps_results
+        if copy_steps is not None and not isinstance(copy_steps, bool):
+            raise TypeError(f"copy_steps: expected a bool or None, found {type_name(copy_steps)}")
+        self.copy_steps = copy_steps
         self._prompts: dict[str, _Prompt] = {}
         # Request id -> (its key, its rows or None).
         self._results: OrderedDict[str, tuple[str, torch.Tensor | None]] = OrderedDict()
@@ -336,8 +293,10 @@ class LiveStore:
         if self._begun is plan:
             return
         self._begun = plan
-        if self._staged and (
-            self._staged_slots(plan) is None or self._clears_staged(plan.cleared_block_ids)
+        staged = self._staged
+        if staged.steps and (
+            staged_slots(plan, None, self.store.block_size, staged.blocks) is None
+            or staged.holds(plan.cleared_block_ids)
         ):
             # NOTE: the staged rows were written before anything this plan does.
             self._flushed.update(self._write_pending())
@@ -429,7 +388,7 @@ class LiveStore:
         store = self.store
         self._stats.num_steps += 1
         if hidden_states is not None and slot_mapping is not None:
-            staged = self._staged_slots(plan, batch_order)
+            staged = staged_slots(plan, batch_order, store.block_size, self._staged.blocks)
             if staged is not None:
                 # NOTE: each tensor's shape read once: right after the forward
                 # pass, every call into torch is cold.
@@ -456,8 +415,11 @@ class LiveStore:
                     if plan.finished_req_ids:
                         self._finish_requests(plan.finished_req_ids)
                     return stamped
+        if self._staged.kept and hidden_states is not None:
+            # NOTE: before `begin`, which may write the staged rows.
+            self._staged.fresh_rows(hidden_states)
         self.begin(plan)
-        if self._staged:
+        if self._staged.steps:
             # NOTE: rows of other requests than planned, without their slots, or
             # too many to wait: written (or refused) below, after the staged rows.
             self._flushed.update(self._write_pending())
@@ -554,85 +516,10 @@ class LiveStore:
             )
         return batch  # type: ignore[return-value]
 
-    def _staged_slots(
-        self, plan: StepPlan, batch_order: Sequence[str] | None = None
-    ) -> tuple[list[int], list[int], bool] | None:
-        """The rows' planned slots, blocks and whether the step has hits, when its rows may wait.
-
-        Such a step writes new tokens of each request (a prefill chunk or a
-        decode token) in planned blocks, rows of the planned requests;
-        loads nothing, invalidates nothing, resets nothing (it may clear
-        stamps of blocks handed out again, gather prompts' rows and finish
-        requests); and its hits are in no block that a staged step or the
-        step itself writes, so they are verified and read at once. The next
-        step that reads a block holding staged rows, clears one, loads or
-        invalidates writes the waiting rows first (`begin`), so whatever
-        reads the store finds what writing every step at once would have
-        left. Their rows are written together (`_write_pending`). The answer
-        depends on the plan and the staged steps only: the same on every rank.
-
-        Args:
-            plan: the step's plan.
-            batch_order: the rows' request ids (None: the slots in the plan's order).
-
-        Returns:
-            The slots in the rows' order, the blocks they are in, and whether
-            any request has a hit; None if the step's rows are written now.
-        """
-        requests = plan.requests
-        if not (plan.caching and requests) or (
-            plan.reset or plan.invalidated_block_ids or plan.loads
-        ):
-            return None
-        if batch_order is not None and len(batch_order) != len(requests):
-            return None
-        bs = self.store.block_size
-        ids: list[str] = []
-        blocks: list[int] = []
-        slots: list[int] = []
-        hits: list[int] = []
-        for item in requests:
-            block_ids = item.block_ids
-            if not block_ids:
-                return None
-            if item.hit_block_ids:
-                hits.extend(item.hit_block_ids)
-            ids.append(item.req_id)
-            if item.num_new == 1:
-                # NOTE: a decode token, the common case, without a call.
-                block = block_ids[0]
-                blocks.append(block)
-                slots.append(block * bs + item.start % bs)
-                continue
-            own = planned_slots((item,), bs)
-            if not own:
-                return None
-            blocks.extend(block_ids)
-            slots.extend(own)
-        if hits and not (self._staged_blocks.isdisjoint(hits) and set(blocks).isdisjoint(hits)):
-            return None
-        if batch_order is None or ids == batch_order:
-            return slots, blocks, bool(hits)
-        # NOTE: the model runner's batch order is not the scheduler's once a
-        # request left the batch.
-        span: dict[str, tuple[int, int]] = {}
-        end = 0
-        for item in requests:
-            span[item.req_id] = (end, end + item.num_new)
-            end += item.num_new
-        if len(span) != len(batch_order) or span.keys() != set(batch_order):
-            return None
-        ordered = [slot for req_id in batch_order for slot in slots[slice(*span[req_id])]]
-        return ordered, blocks, bool(hits)
-
-    def _clears_staged(self, block_ids: Sequence[int]) -> bool:
-        """Whether any of ``block_ids`` holds staged rows (at their planned slots)."""
-        return bool(block_ids) and not self._staged_blocks.isdisjoint(block_ids)
-
     def _stage(
         self,
         plan: StepPlan,
-        staged_slots: tuple[list[int], list[int], bool],
+        planned: tuple[list[int], list[int], bool],
         nbytes: int,
         batch_order: Sequence[str],
         hidden_states: torch.Tensor,
@@ -640,16 +527,36 @@ class LiveStore:
     ) -> dict[int, BlockHash]:
         """The write of `apply` for a step whose rows may wait; the blocks stamped.
 
-        ``staged_slots``: the rows' slots and blocks (`_staged_slots`);
+        ``planned``: the rows' slots and blocks (`staged_steps.staged_slots`);
         ``nbytes``: the bytes of the model's rows of the step (on every rank,
         a follower's too, so that every rank writes at the same step);
         ``hidden_states`` and ``slot_mapping``: the step's, padding left out
-        (whole tensors when the step has none: a slice is one more op). The
-        step keeps a copy of its rows and of its slot mapping, made on their
-        device: reading a value of either would make a GPU step wait for the
-        forward pass, and vLLM reuses both buffers. `_write_pending`
-        compares the slots with the plan's.
+        (whole tensors when the step has none: a slice is one more op).
+        `staged_steps.write_staged` compares the slots with the plan's.
+
+        On a device the step keeps a copy of its rows and of its slot
+        mapping, made there: reading a value of either would make the step
+        wait for the forward pass, and vLLM reuses both buffers (a graph
+        replays into the same output). On the CPU reading waits for nothing:
+        the step keeps its slots' values, and the model's rows themselves,
+        which are new memory each step there (vLLM's CPU backend replays no
+        graph): a copy would cost the step more than anything else it does.
+        Were they not, a later step's rows would start where a staged step's
+        do, and that step is refused before anything is written
+        (`Staged.fresh_rows`).
         """
+        copy = self.copy_steps
+        if copy is None:
+            copy = not hidden_states.is_cpu
+        staged = self._staged
+        kept = 0
+        rows: torch.Tensor | None = None
+        if self.keeps_rows:
+            if copy:
+                rows = hidden_states.clone()
+            else:
+                kept = staged.fresh_rows(hidden_states)
+                rows = hidden_states
         # NOTE: `begin` of such a plan clears stamps (before its rows, as always;
         # writing the staged rows first if any is in a cleared block) and takes
         # new prompts.
@@ -657,90 +564,31 @@ class LiveStore:
             self.begin(plan)
         self._begun = plan
         stamped: dict[int, BlockHash] = {}
-        if self._staged and self._staged_nbytes + nbytes > self.max_staged_bytes:
+        if staged.steps and staged.nbytes + nbytes > self.max_staged_bytes:
             stamped = self.flush()
-        slots, blocks, _ = staged_slots
-        rows = hidden_states.clone() if self.keeps_rows else None
-        mapping = slot_mapping.clone()
-        staged = self._staged
-        staged.append((rows, mapping, slots, plan.block_keys, batch_order))
-        self._staged_nbytes += nbytes
+        if kept:
+            staged.kept.add(kept)
+        slots, blocks, _ = planned
+        mapping = slot_mapping.clone() if copy else slot_mapping.tolist()
+        steps = staged.steps
+        steps.append((rows, mapping, slots, plan.block_keys, batch_order))
+        staged.nbytes += nbytes
         # NOTE: kept as steps come, not gathered when asked: with a large batch
         # and small blocks, most decode steps clear blocks.
-        self._staged_blocks.update(blocks)
-        if len(staged) >= MAX_DEFERRED_STEPS:
+        staged.blocks.update(blocks)
+        if len(steps) >= MAX_DEFERRED_STEPS:
             stamped.update(self.flush())
         return stamped
 
     def _write_pending(self) -> dict[int, BlockHash]:
-        """Writes the staged steps' rows; the blocks stamped.
-
-        Every step's rows at their planned slots: one write with every
-        step's keys; decode steps of one batch order (the common case)
-        request by request (each block's rows then come in order, a run of
-        slots), others step after step. Otherwise each step in order, as if
-        written when computed: a step at other slots than planned without
-        keys (`_write`).
-        """
-        staged = self._staged
-        if not staged:
+        """Writes the staged steps' rows (`staged_steps.write_staged`); the blocks stamped."""
+        steps = self._staged.take()
+        if not steps:
             return {}
-        self._staged = []
-        self._staged_nbytes = 0
-        self._staged_blocks = set()
-        keys: dict[int, BlockHash] = {}
-        for entry in staged:
-            keys.update(entry[3])
-        planned = [slot for step in staged for slot in step[2]]
-        # NOTE: the one read of the staged slots (on a GPU, the one wait).
-        found: list[int] = torch.cat([step[1] for step in staged]).to("cpu", torch.int64).tolist()
-        copies = cast("list[torch.Tensor]", [step[0] for step in staged])
-        if found == planned:
-            steps, order = len(staged), staged[0][4]
-            num = len(order)
-            if all(len(step[2]) == num and step[4] == order for step in staged):
-                # One row a request in every step: request by request.
-                slots = [
-                    slot for own in zip(*(step[2] for step in staged), strict=True) for slot in own
-                ]
-                rows = torch.stack(copies, dim=1).view(num * steps, -1) if self.keeps_rows else None
-            else:
-                slots = planned
-                rows = (copies[0] if steps == 1 else torch.cat(copies)) if self.keeps_rows else None
-            if rows is None:
-                rows = self._marks(len(slots))
-            result = self.store.write(HIDDEN_STATES, rows, slots, block_keys=keys)
-            self._stats.num_rows_written += len(slots)
-            return {block_id: keys[block_id] for block_id in result.stamped_block_ids}
-        num_slots = self.store.num_slots
-        by_step: list[list[int]] = []
-        offset = 0
-        for entry in staged:
-            by_step.append(found[offset : offset + len(entry[2])])
-            offset += len(entry[2])
-        for step, slots in enumerate(by_step):
-            if not all(0 <= slot < num_slots for slot in slots):
-                # NOTE: before any write: the staged rows are dropped, the store unchanged.
-                raise IndexError(
-                    f"step: expected the forward pass's slots in 0..{num_slots - 1}, found "
-                    f"{slots} (planned {staged[step][2]}) in staged step {step + 1} of "
-                    f"{len(staged)}"
-                )
-        stamped: dict[int, BlockHash] = {}
-        for step, slots in enumerate(by_step):
-            step_keys = keys
-            if slots != staged[step][2]:
-                self._stats.num_slot_mismatches += 1
-                step_keys = {}
-            copy = copies[step]
-            rows = self._marks(len(slots)) if copy is None else copy
-            result = self.store.write(HIDDEN_STATES, rows, slots, block_keys=step_keys)
-            self._stats.num_rows_written += len(slots)
-            for block_id in result.stamped_block_ids:
-                stamped[block_id] = step_keys[block_id]
-        # NOTE: a later step's rows without keys may have cleared a stamp.
-        stamp_of = self.store.stamp_of
-        return {b: key for b, key in stamped.items() if stamp_of(HIDDEN_STATES, b) == key}
+        written = write_staged(self.store, steps, None if self.keeps_rows else self._marks)
+        self._stats.num_rows_written += written.num_rows
+        self._stats.num_slot_mismatches += written.num_slot_mismatches
+        return written.stamped
 
     def _write(
         self,

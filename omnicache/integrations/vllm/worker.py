@@ -83,11 +83,11 @@ from omnicache.integrations.vllm.live_store import (
     FOLLOWER_DTYPE,
     LiveStore,
     ScoredPrompt,
-    default_max_staged_bytes,
     follower_store,
 )
 from omnicache.integrations.vllm.plan import StepPlan
 from omnicache.integrations.vllm.results import encode_result
+from omnicache.integrations.vllm.staged_steps import default_max_staged_bytes
 from omnicache.integrations.vllm.tier import WorkerTier
 from omnicache.store import TensorStore
 
@@ -379,7 +379,7 @@ class OmniWorkerMixin:
 
         The budget is the one the user gave (``kv_cache_memory_bytes``,
         ``VLLM_CPU_KVCACHE_SPACE`` or ``gpu_memory_utilization``). The staged
-        steps' copies (`LiveStore`, on the model's device: up to
+        steps' rows (`staged_steps`, on the model's device: up to
         ``max_staged_bytes``, `_omni_staged_bytes`) come out of it first. On
         the CPU the store's rows and vLLM's KV cache are both host memory:
         vLLM gets ``rest * kv / (kv + store)`` of the rest (per block: every
@@ -388,7 +388,7 @@ class OmniWorkerMixin:
         in host memory, outside the device's budget, and vLLM gets the rest.
 
         Raises:
-            ValueError: the budget does not exceed the staged copies' bound.
+            ValueError: the budget does not exceed the staged rows' bound.
         """
         available = int(super().determine_available_memory())  # type: ignore[misc]
         staged = self._omni_max_staged_bytes = self._omni_staged_bytes(available)
@@ -414,7 +414,7 @@ class OmniWorkerMixin:
         # NOTE: before vLLM sizes its cache: if the rest cannot hold one request of
         # max_model_len, vLLM's refusal follows this line.
         _ENGINE_LOG.info(
-            "omnicache (rank %d): of the KV cache budget, %.1f MiB, the staged steps' copies "
+            "omnicache (rank %d): of the KV cache budget, %.1f MiB, the staged steps' rows "
             "take up to %.1f MiB and the store's rows %d bytes a block beside vLLM's %d: "
             "vLLM's KV cache gets %.1f MiB",
             get_tensor_model_parallel_rank(),
@@ -427,7 +427,7 @@ class OmniWorkerMixin:
         return granted
 
     def _omni_staged_bytes(self, available: int) -> int:
-        """The bound on the staged steps' copies (`LiveStore`'s ``max_staged_bytes``).
+        """The bound on the staged steps' rows (`LiveStore`'s ``max_staged_bytes``).
 
         ``kv_connector_extra_config["max_staged_bytes"]`` (0: no step waits),
         by default `default_max_staged_bytes` of the budget (32 MiB, or a
@@ -506,7 +506,7 @@ class OmniWorkerMixin:
             raise RuntimeError(
                 f"{type(self).__name__}: expected vLLM to ask for the KV cache budget "
                 "(determine_available_memory) before allocating the KV cache, found it did not: "
-                "the staged steps' copies would be outside the budget"
+                "the staged steps' rows would be outside the budget"
             )
         self.omni_store = LiveStore(
             store,
@@ -528,7 +528,7 @@ class OmniWorkerMixin:
         )
         _ENGINE_LOG.info(
             "omnicache (rank %d): vLLM's KV cache %d blocks, %.1f MiB; the store %.1f MiB; "
-            "staged steps' copies up to %.1f MiB; %s",
+            "staged steps' rows up to %.1f MiB; %s",
             rank,
             kv_cache_config.num_blocks,
             kv_bytes / 2**20,
@@ -582,7 +582,7 @@ class OmniWorkerMixin:
 
         ``store_nbytes``: the bytes the store holds (a follower's: one a row);
         ``kv_cache_nbytes``: those of vLLM's KV cache on this rank;
-        ``max_staged_nbytes``: the bound on the staged steps' copies (all
+        ``max_staged_nbytes``: the bound on the staged steps' rows (all
         three out of the budget on the CPU; the last on a GPU).
 
         With a tier, also the worker's tier counters (prefixed ``tier_``) and

@@ -1,0 +1,358 @@
+"""Steps whose rows wait to be written: which steps, what they keep, and their write.
+
+`LiveStore` applies a step's rows right after the forward pass; writing
+them there costs a write's fixed part every step (most of a small write's
+cost), and on a GPU reading the step's slots would wait for the forward
+pass. So a step's rows may wait (`staged_slots`): those of a step that
+neither loads nor invalidates, whose hits (verified and read at once) are
+in no block a staged step or the step itself writes.
+
+What a staged step keeps (`Staged`): on a device (a GPU), a copy of its
+rows and of its slot mapping, made there (no value of either is read: the
+step never waits for the forward pass); on the CPU, where reading waits for
+nothing, its slots' values and the model's rows themselves (`LiveStore`'s
+``copy_steps``; a model that writes a step's rows where a staged step's are
+is refused, `Staged.fresh_rows`).
+
+They wait until a step that loads, invalidates, or reads or clears a block
+holding staged rows, or until `MAX_DEFERRED_STEPS` of them wait or one more
+step's rows would take more than ``max_staged_bytes`` (a step whose rows
+alone would is written at once, and so is one of more than
+`MAX_HOST_STEP_BYTES` on the CPU). Then they are written first
+(`write_staged`), so whatever reads the store finds what writing each step
+would have left: the staged slots are compared with the plans' (a
+device's read then, once); if every step's match, the rows are written
+with the plans' keys in a few writes (`_groups`: runs of decode steps
+request by request, the steps between them step after step); otherwise
+step by step, in order, a step at other slots than planned without keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import NamedTuple, cast
+
+import torch
+
+from omnicache.block_hash import BlockHash
+from omnicache.checks import check_int
+from omnicache.integrations.vllm.plan import StepPlan, planned_slots
+from omnicache.store import HIDDEN_STATES, TensorStore
+
+__all__ = [
+    "MAX_DEFERRED_STEPS",
+    "MAX_FLUSH_WRITES",
+    "MAX_HOST_STEP_BYTES",
+    "MAX_STAGED_BYTES",
+    "STAGED_BUDGET_SHARE",
+    "Staged",
+    "Written",
+    "default_max_staged_bytes",
+    "staged_slots",
+    "write_staged",
+]
+
+MAX_DEFERRED_STEPS = 256
+"""The most steps whose rows wait to be written together (`LiveStore`).
+
+A write's cost is mostly its fixed part (about 1 ms on a 2-core host for 4
+to 256 rows), so fewer, larger writes; ``max_staged_bytes`` bounds the
+memory the staged rows take (beside the model, on its device).
+"""
+MAX_STAGED_BYTES = 32 * 2**20
+"""`LiveStore`'s default ``max_staged_bytes``."""
+STAGED_BUDGET_SHARE = 16
+"""A vLLM worker's default ``max_staged_bytes`` is at most 1/16 of its KV cache budget."""
+MAX_HOST_STEP_BYTES = 2**20
+"""The largest step, in bytes of its rows, whose rows wait to be written on the CPU.
+
+On the CPU reading a step's slots waits for nothing: a step's rows wait
+only to share a write's fixed part (small steps: decode batches, short
+chunks). A larger step's rows cost more in the larger write they join
+(concatenated with the steps' around them): in the engine, staging prefill
+steps of 7.5 MiB doubled the store's share of them (0.36% to 0.73%, with
+copies of the staged rows, `benchmarks/bench_live_store.py`).
+"""
+MAX_FLUSH_WRITES = 4
+"""The most writes the staged steps' rows take (`_groups`); with more runs, one write."""
+
+
+def default_max_staged_bytes(budget: int) -> int:
+    """The default bound on the staged steps' rows of a worker given ``budget`` bytes.
+
+    `MAX_STAGED_BYTES`, or a `STAGED_BUDGET_SHARE`-th of the budget if less:
+    the rows come out of the budget (the worker's
+    ``determine_available_memory``), and a small one keeps most of it.
+    """
+    check_int("budget", budget, minimum=0)
+    return min(MAX_STAGED_BYTES, budget // STAGED_BUDGET_SHARE)
+
+
+def staged_slots(
+    plan: StepPlan, batch_order: Sequence[str] | None, block_size: int, staged_blocks: set[int]
+) -> tuple[list[int], list[int], bool] | None:
+    """The rows' planned slots, blocks and whether the step has hits, when its rows may wait.
+
+    Such a step writes new tokens of each request (a prefill chunk or a
+    decode token) in planned blocks, rows of the planned requests;
+    loads nothing, invalidates nothing, resets nothing (it may clear
+    stamps of blocks handed out again, gather prompts' rows and finish
+    requests); and its hits are in no block that a staged step or the
+    step itself writes, so they are verified and read at once. The next
+    step that reads a block holding staged rows, clears one, loads or
+    invalidates writes the waiting rows first (`LiveStore.begin`), so
+    whatever reads the store finds what writing every step at once would
+    have left. Their rows are written together (`write_staged`). The answer
+    depends on the plan and the staged steps only: the same on every rank.
+
+    Args:
+        plan: the step's plan.
+        batch_order: the rows' request ids (None: the slots in the plan's order).
+        block_size: tokens per block.
+        staged_blocks: the blocks of the staged steps' rows (`Staged.blocks`).
+
+    Returns:
+        The slots in the rows' order, the blocks they are in, and whether
+        any request has a hit; None if the step's rows are written now.
+    """
+    requests = plan.requests
+    if not (plan.caching and requests) or (plan.reset or plan.invalidated_block_ids or plan.loads):
+        return None
+    if batch_order is not None and len(batch_order) != len(requests):
+        return None
+    bs = block_size
+    ids: list[str] = []
+    blocks: list[int] = []
+    slots: list[int] = []
+    hits: list[int] = []
+    for item in requests:
+        block_ids = item.block_ids
+        if not block_ids:
+            return None
+        if item.hit_block_ids:
+            hits.extend(item.hit_block_ids)
+        ids.append(item.req_id)
+        if item.num_new == 1:
+            # NOTE: a decode token, the common case, without a call.
+            block = block_ids[0]
+            blocks.append(block)
+            slots.append(block * bs + item.start % bs)
+            continue
+        own = planned_slots((item,), bs)
+        if not own:
+            return None
+        blocks.extend(block_ids)
+        slots.extend(own)
+    if hits and not (staged_blocks.isdisjoint(hits) and set(blocks).isdisjoint(hits)):
+        return None
+    if batch_order is None or ids == batch_order:
+        return slots, blocks, bool(hits)
+    # NOTE: the model runner's batch order is not the scheduler's once a
+    # request left the batch.
+    span: dict[str, tuple[int, int]] = {}
+    end = 0
+    for item in requests:
+        span[item.req_id] = (end, end + item.num_new)
+        end += item.num_new
+    if len(span) != len(batch_order) or span.keys() != set(batch_order):
+        return None
+    ordered = [slot for req_id in batch_order for slot in slots[slice(*span[req_id])]]
+    return ordered, blocks, bool(hits)
+
+
+# A step whose rows wait to be written (`Staged.steps`): its rows (a
+# copy made on their device; on the CPU the model's own; None in a
+# follower's store) and its slot mapping (a copy made on its device; on the
+# CPU its values); its planned slots in the rows' order, its plan's keys and
+# the rows' request ids. NOTE: a tuple: right after the forward pass, the
+# host's every kind of work is cold, a class's constructor one more.
+_StagedStep = tuple[
+    torch.Tensor | None, torch.Tensor | list[int], list[int], Mapping[int, BlockHash], Sequence[str]
+]
+
+
+@dataclass(slots=True, eq=False)
+class Staged:
+    """The steps whose rows wait to be written (`LiveStore` stages them), and their marks.
+
+    ``nbytes``: the bytes of the model's rows they stand for (counted alike
+    on every rank); ``blocks``: the blocks of their planned slots;
+    ``kept``: where the model's own rows kept without a copy start.
+    """
+
+    steps: list[_StagedStep] = field(default_factory=list)
+    nbytes: int = 0
+    blocks: set[int] = field(default_factory=set)
+    kept: set[int] = field(default_factory=set)
+
+    def holds(self, block_ids: Sequence[int]) -> bool:
+        """Whether any of ``block_ids`` holds staged rows (at their planned slots)."""
+        return bool(block_ids) and not self.blocks.isdisjoint(block_ids)
+
+    def take(self) -> list[_StagedStep]:
+        """Empties the staged steps; returns them, in order."""
+        steps = self.steps
+        self.steps, self.nbytes, self.blocks, self.kept = [], 0, set(), set()
+        return steps
+
+    def fresh_rows(self, hidden_states: torch.Tensor) -> int:
+        """Where a step's rows start, checked to be none of the rows kept without a copy.
+
+        Raises:
+            RuntimeError: the model wrote this step's rows where a staged
+                step's are (it reuses its output); the staged steps are
+                dropped, unwritten, so nothing they held is ever served.
+        """
+        start = hidden_states.data_ptr()
+        if start in self.kept:
+            num = len(self.take())
+            raise RuntimeError(
+                "step: expected the model's rows of each step in new memory on the CPU (a "
+                "staged step keeps them without a copy), found this step's rows where a "
+                f"staged step's are: the model reuses its output; the {num} staged steps' "
+                "rows were overwritten and are dropped, unwritten"
+            )
+        return start
+
+
+class Written(NamedTuple):
+    """What `write_staged` did."""
+
+    # Block id -> key of the blocks the rows stamped.
+    stamped: dict[int, BlockHash]
+    num_rows: int
+    # Steps at other slots than planned (written without keys).
+    num_slot_mismatches: int
+
+
+def write_staged(
+    store: TensorStore, staged: list[_StagedStep], marks: Callable[[int], torch.Tensor] | None
+) -> Written:
+    """Writes the rows of ``staged`` steps (taken from a `Staged`, in order).
+
+    ``marks``: a follower's rows (`LiveStore`'s), or None when the steps
+    keep the model's rows.
+
+    Every step's rows at their planned slots: a write with every step's
+    keys for each run of `_groups` (at most `MAX_FLUSH_WRITES`, else one
+    write of every step): decode steps of one batch order (the common
+    case) request by request (each block's rows then come in order, a
+    run of slots), others step after step. Otherwise each step in order, as if
+    written when computed: a step at other slots than planned without
+    keys (as `LiveStore` writes a step at once).
+
+    Raises:
+        IndexError: a step's slot outside the store (nothing is written).
+    """
+    keys: dict[int, BlockHash] = {}
+    for entry in staged:
+        keys.update(entry[3])
+    planned = list(chain.from_iterable(step[2] for step in staged))
+    found: list[int]
+    if type(staged[0][1]) is list:
+        # The CPU's: every step's values, read when it was staged.
+        found = list(chain.from_iterable(cast("list[list[int]]", [s[1] for s in staged])))
+    else:
+        # NOTE: the one read of a device's staged slots (on a GPU, the one wait).
+        mappings = cast("list[torch.Tensor]", [step[1] for step in staged])
+        found = torch.cat(mappings).to("cpu", torch.int64).tolist()
+    copies = cast("list[torch.Tensor]", [step[0] for step in staged])
+    if found == planned:
+        groups = _groups(staged)
+        if len(groups) > MAX_FLUSH_WRITES:
+            groups = [(0, len(staged))]
+        written: list[int] = []
+        for first, stop in groups:
+            slots, rows = _group_rows(staged[first:stop], copies[first:stop], marks)
+            result = store.write(HIDDEN_STATES, rows, slots, block_keys=keys)
+            written.extend(result.stamped_block_ids)
+        if len(groups) == 1:
+            return Written({block_id: keys[block_id] for block_id in written}, len(found), 0)
+        # NOTE: a later write may have left a block an earlier one stamped.
+        stamp = store.stamp_of
+        return Written(
+            {b: keys[b] for b in written if stamp(HIDDEN_STATES, b) == keys[b]}, len(found), 0
+        )
+    num_slots = store.num_slots
+    by_step: list[list[int]] = []
+    offset = 0
+    for entry in staged:
+        by_step.append(found[offset : offset + len(entry[2])])
+        offset += len(entry[2])
+    for step, slots in enumerate(by_step):
+        if not all(0 <= slot < num_slots for slot in slots):
+            # NOTE: before any write: the staged rows are dropped, the store unchanged.
+            raise IndexError(
+                f"step: expected the forward pass's slots in 0..{num_slots - 1}, found "
+                f"{slots} (planned {staged[step][2]}) in staged step {step + 1} of "
+                f"{len(staged)}"
+            )
+    stamped: dict[int, BlockHash] = {}
+    mismatches = 0
+    for step, slots in enumerate(by_step):
+        step_keys = keys
+        if slots != staged[step][2]:
+            mismatches += 1
+            step_keys = {}
+        copy = copies[step]
+        rows = copy if marks is None else marks(len(slots))
+        result = store.write(HIDDEN_STATES, rows, slots, block_keys=step_keys)
+        for block_id in result.stamped_block_ids:
+            stamped[block_id] = step_keys[block_id]
+    # NOTE: a later step's rows without keys may have cleared a stamp.
+    stamp_of = store.stamp_of
+    kept = {b: key for b, key in stamped.items() if stamp_of(HIDDEN_STATES, b) == key}
+    return Written(kept, len(found), mismatches)
+
+
+def _decode_order(step: _StagedStep) -> Sequence[str] | None:
+    """A decode step's batch order (one row a request); None for another step."""
+    return step[4] if len(step[2]) == len(step[4]) else None
+
+
+def _groups(staged: Sequence[_StagedStep]) -> list[tuple[int, int]]:
+    """The staged steps in runs, ``[first, stop)``, each one write (`_group_rows`).
+
+    Two or more decode steps in a row of one batch order are a run, written
+    request by request: each block's rows come in order, a run of slots.
+    The steps between such runs (prefill chunks, mixed batches, a batch
+    order of one step) are one run, written step after step.
+    """
+    groups: list[tuple[int, int]] = []
+    last_decode = False
+    start, num = 0, len(staged)
+    while start < num:
+        order = _decode_order(staged[start])
+        stop = start + 1
+        while stop < num and _decode_order(staged[stop]) == order:
+            stop += 1
+        decode = order is not None and stop - start >= 2
+        if groups and not decode and not last_decode:
+            groups[-1] = (groups[-1][0], stop)
+        else:
+            groups.append((start, stop))
+        last_decode = decode
+        start = stop
+    return groups
+
+
+def _group_rows(
+    group: list[_StagedStep],
+    copies: list[torch.Tensor],
+    marks: Callable[[int], torch.Tensor] | None,
+) -> tuple[list[int], torch.Tensor]:
+    """The slots and rows of a run of staged steps (`_groups`), in one write's order."""
+    steps, order = len(group), group[0][4]
+    num = len(order)
+    if steps > 1 and all(len(step[2]) == num and step[4] == order for step in group):
+        # One row a request in every step, one batch order: request by request.
+        slots = [slot for own in zip(*(step[2] for step in group), strict=True) for slot in own]
+        if marks is not None:
+            return slots, marks(len(slots))
+        return slots, torch.stack(copies, dim=1).view(num * steps, -1)
+    slots = list(chain.from_iterable(step[2] for step in group))
+    if marks is not None:
+        return slots, marks(len(slots))
+    return slots, copies[0] if steps == 1 else torch.cat(copies)
