@@ -178,7 +178,9 @@ class Staged:
     """The steps whose rows wait to be written (`LiveStore` stages them), and their marks.
 
     ``nbytes``: the bytes of the model's rows they stand for (counted alike
-    on every rank); ``blocks``: the blocks of their planned slots;
+    on every rank; rows kept without a copy hold their step's padding rows
+    too, which vLLM's CPU backend does not add); ``blocks``: the blocks of
+    their planned slots;
     ``kept``: where the model's own rows kept without a copy start.
     """
 
