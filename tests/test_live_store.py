@@ -32,9 +32,9 @@ def copy_steps(request: pytest.FixtureRequest) -> bool | None:
     return cast("bool | None", request.param)
 
 
-def new_live(max_results: int = 8, *, copy_steps: bool | None) -> LiveStore:
+def new_live(max_results: int = 8, *, copy_steps: bool | None, num_blocks: int = 8) -> LiveStore:
     return LiveStore(
-        TensorStore(8, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32),
+        TensorStore(num_blocks, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32),
         max_results=max_results,
         copy_steps=copy_steps,
     )
@@ -534,11 +534,7 @@ def test_deferred_rows_at_slots_other_than_planned_stamp_nothing_of_their_step(
 def test_a_decode_step_that_clears_blocks_writes_the_staged_rows_only_if_it_clears_theirs(
     copy_steps: bool | None,
 ) -> None:
-    live = LiveStore(
-        TensorStore(64, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32),
-        max_results=8,
-        copy_steps=copy_steps,
-    )
+    live = new_live(copy_steps=copy_steps, num_blocks=64)
     live.store.write_blocks(HIDDEN_STATES, rows(0, BS), [9], block_keys=[K[5]])
     live.store.write_blocks(HIDDEN_STATES, rows(0, BS), [10], block_keys=[K[6]])
     first = decode_step({"a": (0, 2)}, {})
@@ -677,11 +673,7 @@ def test_a_staged_step_at_a_slot_outside_the_store_is_refused_before_any_write(
 def test_prefill_chunks_and_decode_tokens_wait_together_until_a_hit_reads_them(
     copy_steps: bool | None,
 ) -> None:
-    live = LiveStore(
-        TensorStore(16, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32),
-        max_results=8,
-        copy_steps=copy_steps,
-    )
+    live = new_live(copy_steps=copy_steps, num_blocks=16)
     # "a" prefills 10 tokens in two chunks (blocks 1, 2, 3) while "b" decodes
     # into block 5; the model runner's batch order is not the plan's.
     first = StepPlan(
@@ -864,11 +856,7 @@ def test_on_the_cpu_a_step_of_more_than_max_host_step_bytes_is_written_at_once(
 def test_a_prefill_step_and_the_decode_steps_after_it_are_written_apart(
     copy_steps: bool | None,
 ) -> None:
-    live = LiveStore(
-        TensorStore(16, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32),
-        max_results=8,
-        copy_steps=copy_steps,
-    )
+    live = new_live(copy_steps=copy_steps, num_blocks=16)
     prefill = StepPlan(
         caching=True,
         requests=(PlannedRequest("a", 0, 4, (1,)), PlannedRequest("b", 0, 4, (2,))),
@@ -897,11 +885,7 @@ def test_staged_steps_of_more_runs_than_max_flush_writes_are_written_in_one(
 ) -> None:
     from omnicache.integrations.vllm.staged_steps import MAX_FLUSH_WRITES
 
-    live = LiveStore(
-        TensorStore(16, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32),
-        max_results=8,
-        copy_steps=copy_steps,
-    )
+    live = new_live(copy_steps=copy_steps, num_blocks=16)
     # Runs of two decode steps, each run in the other batch order: one run more than
     # MAX_FLUSH_WRITES. "a" writes blocks 3.., "b" blocks 8...
     orders = (["a", "b"], ["b", "a"])
