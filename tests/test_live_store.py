@@ -904,6 +904,22 @@ def test_staged_steps_of_more_runs_than_max_flush_writes_are_written_in_one(
         assert cached[3 * BS + step, 0] == a and cached[8 * BS + step, 0] == b
 
 
+def test_staged_runs_that_plan_a_slot_twice_are_refused_before_any_write(
+    copy_steps: bool | None,
+) -> None:
+    live = new_live(copy_steps=copy_steps)
+    # "a" prefills block 1, then two decode steps planned at its last two slots again.
+    prefill = StepPlan(caching=True, requests=(PlannedRequest("a", 0, 4, (1,)),))
+    steps = [(prefill, rows(0, 4))]
+    steps += [(decode_step({"a": (position, 1)}, {}), rows(position, 1)) for position in (2, 3)]
+    for plan, values in steps:
+        assert live.apply(plan, ["a"], values, slots_of(plan, ["a"])) == {}
+    with pytest.raises(ValueError, match=r"expected distinct slots, found slot 6"):
+        live.flush()
+    assert live.store.stats.num_writes == 0 and live.stats.num_rows_written == 0
+    assert live.store.filled_of(HIDDEN_STATES, 1) == 0
+
+
 def test_on_the_cpu_a_model_that_reuses_its_output_is_refused_before_a_staged_row_is_written() -> (
     None
 ):

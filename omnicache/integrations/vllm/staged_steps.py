@@ -238,8 +238,8 @@ def write_staged(
     keep the model's rows.
 
     Every step's rows at their planned slots: a write with every step's
-    keys for each run of `_groups` (at most `MAX_FLUSH_WRITES`, else one
-    write of every step): decode steps of one batch order (the common
+    keys for each run of `_groups` (at most `MAX_FLUSH_WRITES`, else, or
+    with a slot planned twice, one write of every step): decode steps of one batch order (the common
     case) request by request (each block's rows then come in order, a
     run of slots), others step after step. Otherwise each step in order, as if
     written when computed: a step at other slots than planned without
@@ -247,6 +247,7 @@ def write_staged(
 
     Raises:
         IndexError: a step's slot outside the store (nothing is written).
+        ValueError: a slot planned twice (nothing is written).
     """
     keys: dict[int, BlockHash] = {}
     for entry in staged:
@@ -263,7 +264,10 @@ def write_staged(
     copies = cast("list[torch.Tensor]", [step[0] for step in staged])
     if found == planned:
         groups = _groups(staged)
-        if len(groups) > MAX_FLUSH_WRITES:
+        if len(groups) > MAX_FLUSH_WRITES or (
+            len(groups) > 1 and len(set(planned)) != len(planned)
+        ):
+            # NOTE: one write refuses a slot given twice before writing anything.
             groups = [(0, len(staged))]
         written: list[int] = []
         for first, stop in groups:
