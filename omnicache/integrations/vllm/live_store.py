@@ -540,10 +540,9 @@ class LiveStore:
         replays into the same output). On the CPU reading waits for nothing:
         the step keeps its slots' values, and the model's rows themselves,
         which are new memory each step there (vLLM's CPU backend replays no
-        graph): a copy would cost the step more than anything else it does.
-        Were they not, a later step's rows would start where a staged step's
-        do, and that step is refused before anything is written
-        (`Staged.fresh_rows`).
+        graph), so a copy would only be work. Were they not new memory, a
+        later step's rows would start where a staged step's do, and that step
+        is refused before anything is written (`Staged.fresh_rows`).
         """
         copy = self.copy_steps
         if copy is None:

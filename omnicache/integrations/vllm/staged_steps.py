@@ -274,8 +274,6 @@ def write_staged(
             slots, rows = _group_rows(staged[first:stop], copies[first:stop], marks)
             result = store.write(HIDDEN_STATES, rows, slots, block_keys=keys)
             written.extend(result.stamped_block_ids)
-        if len(groups) == 1:
-            return Written({block_id: keys[block_id] for block_id in written}, len(found), 0)
         # NOTE: a later write may have left a block an earlier one stamped.
         stamp = store.stamp_of
         return Written(
@@ -352,7 +350,7 @@ def _group_rows(
     """The slots and rows of a run of staged steps (`_groups`), in one write's order."""
     steps, order = len(group), group[0][4]
     num = len(order)
-    if steps > 1 and all(len(step[2]) == num and step[4] == order for step in group):
+    if steps > 1 and all(_decode_order(step) == order for step in group):
         # One row a request in every step, one batch order: request by request.
         slots = [slot for own in zip(*(step[2] for step in group), strict=True) for slot in own]
         if marks is not None:
