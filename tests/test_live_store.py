@@ -55,6 +55,9 @@ def slots_of(plan: StepPlan, order: list[str], padding: int = 0) -> torch.Tensor
 def test_block_ids_and_planned_slots() -> None:
     assert block_ids_of(np.array([6, 7, 12, 13], dtype=np.int64), BS) == (1, 3)
     assert block_ids_of(np.zeros(0, dtype=np.int64), BS) == ()
+    # A decode step's one slot comes as a list (the scheduler's mirror).
+    assert block_ids_of([13], BS) == (3,)
+    assert block_ids_of(np.array([13], dtype=np.int64), BS) == (3,)
     plan = [PlannedRequest("a", 2, 4, (5, 2)), PlannedRequest("b", 8, 1, (3,))]
     assert planned_slots(plan, BS) == [22, 23, 8, 9, 12]
     # From the middle of a block across two more; a request without tokens adds none.

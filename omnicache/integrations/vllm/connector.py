@@ -200,13 +200,19 @@ class OmniStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 f"{CONNECTOR_NAME}: a step's plan reached a worker without omnicache's worker "
                 "side (worker_cls must be omnicache's worker)"
             )
-        self._load_errors.update(self._worker_side.start_step(metadata.plan))
-        # NOTE: every load runs to its end in the step that orders it.
-        self._loads_done.update(order.req_id for order in metadata.plan.loads)
+        plan = metadata.plan
+        errors = self._worker_side.start_step(plan)
+        if errors:
+            self._load_errors.update(errors)
+        if plan.loads:
+            # NOTE: every load runs to its end in the step that orders it.
+            self._loads_done.update(order.req_id for order in plan.loads)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if not self._loads_done:
+            return None, None
         done, self._loads_done = self._loads_done, set()
-        return None, done or None
+        return None, done
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -295,7 +295,9 @@ class WorkerTable:
         self.stamps: list[BlockHash | None] = [None] * num_blocks
         self.filled: list[int] = [0] * num_blocks
 
-    def write(self, slots: npt.NDArray[np.int64], block_keys: Mapping[int, BlockHash]) -> None:
+    def write(
+        self, slots: npt.NDArray[np.int64] | list[int], block_keys: Mapping[int, BlockHash]
+    ) -> None:
         """Rows written at ``slots`` (in order), with the keys of the blocks they may complete.
 
         Each block touched is stamped with its key if it has one and its rows
@@ -310,6 +312,7 @@ class WorkerTable:
             # per-call cost would be most of the step's work here.
             runs = [(int(slots[0]), 1)]
         else:
+            slots = np.asarray(slots, dtype=np.int64)
             cuts = np.flatnonzero((np.diff(slots) != 1) | (np.diff(slots // bs) != 0)) + 1
             starts = [0, *cuts.tolist()]
             stops = [*cuts.tolist(), num]
@@ -369,12 +372,25 @@ class RequestState:
         block_size: int,
         block_keys: dict[int, BlockHash],
         where: str,
-    ) -> npt.NDArray[np.int64]:
+    ) -> npt.NDArray[np.int64] | list[int]:
         """Slots of the request's tokens ``[start, start + num_new)``, ``num_new > 0``.
 
         Adds to ``block_keys`` the key of each full block those tokens touch.
+        A decode step's one slot is a list: numpy's per-call cost would be
+        most of the work of its allocation.
         """
         blocks = self.blocks
+        if num_new == 1:
+            # NOTE: a decode step's one slot, in a few statements (each allocation
+            # of every step comes here); a slot out of range or in vLLM's null
+            # block goes on to the errors below.
+            index = start // block_size
+            block_id = blocks[index].block_id if index < len(blocks) else NULL_BLOCK_ID
+            if block_id != NULL_BLOCK_ID:
+                hashes = self.keys()
+                if index < len(hashes):
+                    block_keys[block_id] = hashes[index]
+                return [block_id * block_size + start % block_size]
         stop = start + num_new
         if stop > len(blocks) * block_size:
             raise ValueError(
@@ -392,9 +408,6 @@ class RequestState:
         hashes = self.keys()
         for block in range(first, min(last + 1, len(hashes))):
             block_keys[block_ids[block - first]] = hashes[block]
-        if num_new == 1:
-            # NOTE: a decode step's one slot, without numpy's per-call cost.
-            return np.array([block_ids[0] * block_size + start % block_size], dtype=np.int64)
         positions = np.arange(start, stop, dtype=np.int64)
         ids = np.asarray(block_ids, dtype=np.int64)
         slots: npt.NDArray[np.int64] = (
@@ -710,9 +723,7 @@ class OmniKVCacheManager:
             # NOTE: a new request's computed tokens are set after allocation.
             start = request.num_computed_tokens + num_new_computed_tokens
             start += kwargs.get("num_external_computed_tokens", 0)
-            keys: dict[int, BlockHash] = {}
-            slots = state.slots(start, num_new_tokens, block_size, keys, "allocate_slots")
-            self._mirror.on_allocated(request_id, start, slots, keys)
+            self._mirror.on_allocated(request_id, state, start, num_new_tokens)
         return new_blocks
 
     def free(self, request: Request) -> None:
@@ -883,14 +894,11 @@ class StoreMirror:
 
     # -- what the manager tells it ---------------------------------------------------
 
-    def on_allocated(
-        self,
-        request_id: str,
-        start: int,
-        slots: npt.NDArray[np.int64],
-        block_keys: dict[int, BlockHash],
-    ) -> None:
-        """The request was given slots for its tokens ``start ..``, which the step computes."""
+    def on_allocated(self, request_id: str, state: RequestState, start: int, num_new: int) -> None:
+        """The request was given slots for its tokens ``start .. start + num_new - 1``,
+        which the step computes (``state``: the request's, its block table updated)."""
+        block_keys: dict[int, BlockHash] = {}
+        slots = state.slots(start, num_new, self._block_size, block_keys, "allocate_slots")
         self.table.write(slots, block_keys)
         block_ids = block_ids_of(slots, self._block_size)
         prior = self._allocated.get(request_id)
@@ -947,10 +955,16 @@ class StoreMirror:
         for req_id, start, num_new in scheduled:
             allocation = self._allocated.pop(req_id, None)
             external = self._external_hits.pop(req_id, None)
-            if allocation is None or (allocation.start, allocation.num_new) != (start, num_new):
+            if allocation is None or allocation.start != start or allocation.num_new != num_new:
                 if allocation is not None:
                     undone.update(dict.fromkeys(allocation.block_ids))
                 requests.append(PlannedRequest(req_id, start, num_new))
+                continue
+            block_keys.update(allocation.block_keys)
+            if start % size:
+                # NOTE: no hit: one is given in the step right after it, which
+                # starts a block (most decode steps start none).
+                requests.append(PlannedRequest(req_id, start, num_new, allocation.block_ids))
                 continue
             hit_ids, hit_keys = self._manager.hit_blocks(req_id)
             if external is not None:
@@ -958,7 +972,7 @@ class StoreMirror:
             # NOTE: vLLM takes as computed a prefix of the hit: all of it, or,
             # after a failed load, the blocks before the first that failed.
             num_hit = start // size
-            if start % size or num_hit > len(hit_ids):
+            if num_hit > len(hit_ids):
                 hit_ids, hit_keys = (), ()
             requests.append(
                 PlannedRequest(
@@ -970,7 +984,6 @@ class StoreMirror:
                     hit_keys[:num_hit],
                 )
             )
-            block_keys.update(allocation.block_keys)
         for allocation in self._allocated.values():
             undone.update(dict.fromkeys(allocation.block_ids))
         loads = list(self._loaded.values())

@@ -54,9 +54,14 @@ EXTERNAL_TOKENS_PARAM = "omnicache_external_tokens"
 _LOG = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PlannedRequest:
-    """One scheduled request's part of a step."""
+    """One scheduled request's part of a step.
+
+    Built by the scheduler and never changed after (as `StepPlan`). Not a
+    frozen dataclass: the scheduler builds one a request every step, and a
+    frozen one's construction took 5 times as long (``__setattr__`` a field).
+    """
 
     req_id: str
     # Position of the first token the step computes for the request.
@@ -85,9 +90,13 @@ class LoadOrder:
     block_keys: tuple[BlockHash, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StepPlan:
     """One step of the scheduler, as the worker's store needs it.
+
+    Built by the scheduler and never changed after: a worker may keep one
+    (`LiveStore` stages steps by their plans). Not frozen, as
+    `PlannedRequest`.
 
     The worker applies a plan in this order: ``reset`` and
     ``cleared_block_ids`` (blocks vLLM handed out again or dropped the key
@@ -121,11 +130,13 @@ class StepPlan:
     loads: tuple[LoadOrder, ...] = ()
 
 
-def block_ids_of(slots: npt.NDArray[np.int64], block_size: int) -> tuple[int, ...]:
+def block_ids_of(slots: npt.NDArray[np.int64] | list[int], block_size: int) -> tuple[int, ...]:
     """The blocks a run of a request's slots passes through, in order."""
-    if len(slots) <= 1:
-        return tuple(int(slot) // block_size for slot in slots)
-    ids = slots // block_size
+    if len(slots) == 1:
+        return (int(slots[0]) // block_size,)
+    if not len(slots):
+        return ()
+    ids = np.asarray(slots, dtype=np.int64) // block_size
     first = np.concatenate(([True], ids[1:] != ids[:-1]))
     return tuple(int(block_id) for block_id in ids[first])
 
