@@ -16,11 +16,21 @@ Rows, one engine each: vLLM's own prefix caching (the baseline); omnicache's
 keys (``scheduler_cls`` only); omnicache's keys and the store (plus
 `OmniCPUWorker` and `OmniStoreConnector`, every step's rows written at their
 slots). Columns: the engine core's step time (median over the workload's
-steps), the worker's store work per step (`LiveStore.apply`: clears, row
-writes, hit checks, prompt results; median) and its share of the steps (the
-workload's store time over its step time: the steps that write the rows of
-the staged decode steps count in full, and so does the write of those the
-workload's last steps left staged). Medians over
+steps); the store's work in a step (median over the steps), on each side:
+the worker's (the capture after the forward pass: the step's slots and
+batch order, and `LiveStore.apply`: row writes, hit checks, prompt results;
+and the connector's worker hooks vLLM calls each step, ``start_load_kv``
+with `LiveStore.start_step` among them; not its per-layer hooks, which
+return at once) and the
+scheduler's (the mirror's record of each allocation, `StoreMirror.on_allocated`,
+and the connector's scheduler hooks, ``build_connector_meta`` with the
+step's plan among them); their shares of the steps (the workload's store
+time over its step time: the steps that write the rows of the staged
+decode steps count in full, and so does the write of those the workload's
+last steps left staged); and the step time over vLLM's (engines differ by
+5-10% from one start to the next here: the timed store work is the
+measure, not this ratio). The timers' own cost, about 0.2 us a timed
+call warm, is counted in the store's. Medians over
 ``--repeats`` passes; the modes take turns, each pass on a fresh engine
 after a warm-up workload of its own.
 
@@ -41,7 +51,7 @@ from typing import Any
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-from live_timing import Timed
+from live_timing import PerStep
 
 from omnicache.demo.live import kv_budget
 from omnicache.demo.tiny_models import build_text_model
@@ -55,6 +65,7 @@ from omnicache.integrations.vllm.staged_steps import MAX_STAGED_BYTES
 BLOCK_SIZE = 32
 MODES = ("vLLM", "omnicache keys", "keys + store")
 WORKLOADS = ("prefill", "rows", "decode")
+SIDES = ("worker", "scheduler")
 
 
 def prompts(workload: str, args: argparse.Namespace, salt: str) -> list[dict[str, Any]]:
@@ -96,24 +107,49 @@ def engine(mode: str, model: Path) -> Any:
     return LLM(**options)
 
 
+# The connector's methods vLLM calls on each side every step (or for a
+# request). NOTE: not its per-layer hooks (``wait_for_layer_load``,
+# ``save_kv_layer``), which return at once: a timer would cost more than they do.
+WORKER_HOOKS = ("start_load_kv", "wait_for_save", "get_finished", "get_block_ids_with_load_errors")
+SCHEDULER_HOOKS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+)
+
+
 def run_pass(mode: str, model: Path, args: argparse.Namespace) -> dict[str, dict[str, float]]:
     from vllm import SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     llm = engine(mode, model)
     core = llm.llm_engine.engine_core.engine_core
-    step = Timed(core, "step_fn")
-    apply: Timed | None = None
+    steps = PerStep(core, "step_fn")
     live = None
     if mode == "keys + store":
-        live = core.model_executor.driver_worker.worker.omni_store
-        apply = Timed(live, "apply")
+        worker = core.model_executor.driver_worker.worker
+        live = worker.omni_store
+        # NOTE: omnicache's capture stands where vLLM's runner calls the model
+        # (`_model_forward`): its time but the model's is the store's
+        # (`LiveStore.apply`, and finding the step's slots and batch order).
+        capture = worker.model_runner._model_forward
+        steps.time("worker", worker.model_runner, "_model_forward")
+        steps.time("worker", capture, "forward", subtract=True)
+        # NOTE: vLLM calls each by attribute, every step (and a layer's, every layer).
+        worker_side = get_kv_transfer_group()
+        for name in WORKER_HOOKS:
+            steps.time("worker", worker_side, name)
+        scheduler = core.scheduler
+        steps.time("scheduler", scheduler.omni_mirror, "on_allocated")
+        for name in SCHEDULER_HOOKS:
+            steps.time("scheduler", scheduler.connector, name)
     ask = {"omnicache_prompt_hidden_states": True} if mode == "keys + store" else None
     results: dict[str, dict[str, float]] = {}
     for salt in ("warm-up", "measured"):
         for workload in WORKLOADS:
-            step.times.clear()
-            if apply is not None:
-                apply.times.clear()
+            steps.clear()
             kind = "decode" if workload == "decode" else "prefill"
             # NOTE: the rows pass sends the prefill pass's prompts again.
             batch = prompts(kind, args, f"{salt}/{kind}")
@@ -135,15 +171,19 @@ def run_pass(mode: str, model: Path, args: argparse.Namespace) -> dict[str, dict
             # and counted with this workload's store work.
             flush_s = 0.0
             if live is not None:
-                start = time.perf_counter()
+                began = time.perf_counter()
                 live.flush()
-                flush_s = time.perf_counter() - start
-            step_s = statistics.median(step.times)
-            apply_s = statistics.median(apply.times) if apply is not None else 0.0
-            # NOTE: the share is of the totals: a step that writes the staged
-            # decode steps' rows counts in full.
-            share = (sum(apply.times) + flush_s) / sum(step.times) if apply is not None else 0.0
-            results[workload] = {"step ms": 1e3 * step_s, "store ms": 1e3 * apply_s, "share": share}
+                flush_s = time.perf_counter() - began
+            total_s = sum(steps.step_times)
+            result = {"step ms": 1e3 * statistics.median(steps.step_times)}
+            for side in SIDES:
+                times = steps.totals.get(side, [0.0])
+                extra_s = flush_s if side == "worker" else 0.0
+                result[f"{side} ms"] = 1e3 * statistics.median(times)
+                # NOTE: shares of the totals: a step that writes the staged decode
+                # steps' rows counts in full.
+                result[f"{side} share"] = (sum(times) + extra_s) / total_s
+            results[workload] = result
     llm.llm_engine.engine_core.shutdown()
     return results
 
@@ -166,30 +206,29 @@ def main() -> None:
     print(
         f"\nhidden {args.hidden}, float32; prefill: {args.prefill_requests} x 480 tokens; rows: "
         f"the same again, asking for their prompt rows (hits); decode: 4 x 64 tokens + "
-        f"{args.decode_tokens} new; median step, median of {args.repeats} passes"
+        f"{args.decode_tokens} new; median step, median of {args.repeats} passes; the store's "
+        f"work a step in the worker and in the scheduler, and their shares of the steps"
     )
-    header = f"{'':<16}" + "".join(
-        f"{w + ' step ms':>20}{'store ms':>10}{'share':>8}{'/ vLLM':>8}" for w in WORKLOADS
+    keys = ("step ms", "worker ms", "scheduler ms", "worker share", "scheduler share")
+    print(
+        f"{'workload':<9}{'mode':<16}{'step ms':>10}{'worker ms':>11}{'sched ms':>10}"
+        f"{'worker':>8}{'sched':>8}{'store':>8}{'/ vLLM':>9}"
     )
-    print(header)
-    rows = {
-        mode: {
-            w: {
-                k: statistics.median(p[w][k] for p in runs)
-                for k in ("step ms", "store ms", "share")
-            }
-            for w in WORKLOADS
-        }
-        for mode, runs in passes.items()
-    }
-    for mode, row in rows.items():
-        cells = []
-        for w in WORKLOADS:
-            step_ms, store_ms = row[w]["step ms"], row[w]["store ms"]
-            share = f"{100 * row[w]['share']:.2f}%" if store_ms else "-"
-            ratio = step_ms / rows["vLLM"][w]["step ms"]
-            cells.append(f"{step_ms:>20.3f}{store_ms:>10.3f}{share:>8}{ratio:>7.3f}x")
-        print(f"{mode:<16}" + "".join(cells))
+    for w in WORKLOADS:
+        vllm_step = statistics.median(p[w]["step ms"] for p in passes["vLLM"])
+        for mode, runs in passes.items():
+            row = {k: statistics.median(p[w][k] for p in runs) for k in keys}
+            # NOTE: the store's share is each pass's two shares added, then the median.
+            store = statistics.median(p[w]["worker share"] + p[w]["scheduler share"] for p in runs)
+            cells = (
+                f"{row['worker ms']:>11.3f}{row['scheduler ms']:>10.3f}"
+                f"{100 * row['worker share']:>7.2f}%{100 * row['scheduler share']:>7.2f}%"
+                f"{100 * store:>7.2f}%"
+                if mode == "keys + store"
+                else f"{'-':>11}{'-':>10}{'-':>8}{'-':>8}{'-':>8}"
+            )
+            ratio = row["step ms"] / vllm_step
+            print(f"{w:<9}{mode:<16}{row['step ms']:>10.3f}{cells}{ratio:>8.3f}x")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-__all__ = ["Timed"]
+__all__ = ["PerStep", "Timed"]
 
 
 class Timed:
@@ -23,3 +23,55 @@ class Timed:
                 self.times.append(time.perf_counter() - start)
 
         setattr(owner, name, timed)
+
+
+class PerStep:
+    """Wraps an engine's step method; adds up, by group, the time of calls made inside each step.
+
+    One thread: calls to the methods of a group (`time`) made during a step
+    add to that step's total of the group; a step without any counts 0.
+    """
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.step_times: list[float] = []
+        self.totals: dict[str, list[float]] = {}
+        self._current: dict[str, float] = {}
+        inner = getattr(owner, name)
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            self._current = dict.fromkeys(self.totals, 0.0)
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.step_times.append(time.perf_counter() - start)
+                for group, total in self._current.items():
+                    self.totals[group].append(total)
+                self._current = {}
+
+        setattr(owner, name, step)
+
+    def time(self, group: str, owner: Any, name: str, *, subtract: bool = False) -> None:
+        """Counts the calls of ``owner.name`` made inside steps in ``group``.
+
+        ``subtract``: takes their time away instead (a call inside a counted
+        one that is not the group's work: a wrapper's inner call).
+        """
+        self.totals.setdefault(group, [])
+        inner = getattr(owner, name)
+        sign = -1.0 if subtract else 1.0
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                if group in self._current:
+                    self._current[group] += sign * (time.perf_counter() - start)
+
+        setattr(owner, name, timed)
+
+    def clear(self) -> None:
+        self.step_times.clear()
+        for totals in self.totals.values():
+            totals.clear()
