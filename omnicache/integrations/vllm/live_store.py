@@ -11,7 +11,9 @@ How `LiveStore` applies a step's plan, in the plan's order:
 1. ``reset`` and ``cleared_block_ids``: stamps of blocks vLLM handed out again;
 2. ``loads``: blocks filled from the tier (KV and rows, stamped), of
    requests vLLM holds back until the load is done: a load stops at the first
-   block gone or damaged, and vLLM recomputes the request from there;
+   block gone or damaged, and vLLM recomputes the request from there (vLLM
+   starts asynchronous loads, omnicache's, after the forward pass: after
+   the step's rows, which are in other blocks, so the order changes nothing);
 3. the step's rows, written at the forward pass's own slot mapping (the KV
    cache's slots), stamped with the plan's keys when the slots are those the
    scheduler planned (otherwise written without keys: nothing stamped);

@@ -256,8 +256,12 @@ class WorkerSide(Protocol):
     def start_step(self, plan: StepPlan) -> set[int]:
         """Clears stamps, then runs the plan's loads; the blocks that did not load.
 
-        Called by vLLM around the step's forward pass (after it, when the step
-        has no synchronous load), always before the step's rows are applied.
+        Called by vLLM once a step: before its forward pass when the step has
+        a synchronous load, otherwise after it, once the step's rows are
+        applied (omnicache's loads are asynchronous). Either way the stamps
+        are cleared first (by whichever of the two begins the step), and
+        the loads fill blocks of waiting requests, which the step's rows
+        never touch.
         """
         ...
 
