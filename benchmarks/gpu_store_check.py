@@ -10,13 +10,15 @@ Every check compares exactly (torch.equal, or bit patterns) against the rows
 that were written; any mismatch is printed and the script exits 1. The
 configurations with the store on the CPU also drive the worker's `LiveStore`
 as the worker does (rows and slot mappings on the model's device: a prefill
-and decode steps staged and written together, a hit asking for its rows),
-and on CUDA a timing shows whether a decode step's and a prefill step's
-store work waits for the forward pass (CUDA events). Then it prints write
-and merged-read bandwidth for the 8192 x 4096 bf16 workload on the fastest
-device here, next to a plain copy_ and the reference approach (flat[slots] =
-hs; cache[block_ids].reshape then torch.cat), each variant timed right after
-its ceiling copy_ (medians of --reps).
+and decode steps staged and written together, a hit asking for its rows;
+on CUDA `LiveStore.start_forward` before each step, as the worker calls
+it on a GPU), and on CUDA a timing shows whether a decode step's and a
+prefill step's store work waits for the forward pass (CUDA events). Then
+it prints write and merged-read bandwidth for the 8192 x 4096 bf16
+workload on the fastest device here, next to a plain copy_ and the
+reference approach (flat[slots] = hs; cache[block_ids].reshape then
+torch.cat), each variant timed right after its ceiling copy_ (medians of
+--reps).
 
 Without CUDA it runs the cpu configuration only (CPU-only mode).
 
@@ -234,6 +236,10 @@ def check_live_store(cfg: Config, hidden: int, bs: int, chk: Checker) -> None:
         requests=(PlannedRequest("a", 0, prompt, a_blocks[:3]),),
         block_keys={b: keys[b] for b in a_blocks[:3]},
     )
+    # NOTE: on a device the worker tells the store before each forward pass.
+    forward_first = dev != "cpu"
+    if forward_first:
+        live.start_forward(first)
     live.apply(first, ["a"], rows[:prompt].to(dev), slots_of(list(a_blocks[:3]), bs).to(dev))
     for pos in range(prompt, prompt + bs):  # decode steps: staged with the prefill
         step = StepPlan(
@@ -241,6 +247,8 @@ def check_live_store(cfg: Config, hidden: int, bs: int, chk: Checker) -> None:
             requests=(PlannedRequest("a", pos, 1, (4,)),),
             block_keys={4: keys[4]} if pos == prompt + bs - 1 else {},
         )
+        if forward_first:
+            live.start_forward(step)
         live.apply(
             step, ["a"], rows[pos : pos + 1].to(dev), torch.tensor([4 * bs + pos % bs]).to(dev)
         )
@@ -257,6 +265,12 @@ def check_live_store(cfg: Config, hidden: int, bs: int, chk: Checker) -> None:
         result_keys={"b": "key-b"},
     )
     new_row = torch.randn(1, hidden, generator=gen).to(dtype)
+    if forward_first:
+        # The hit reads staged blocks: their rows are written before its forward pass.
+        live.start_forward(hit)
+        chk.expect(
+            live.stats.num_rows_written == prompt + bs, f"{label}: staged rows written first"
+        )
     live.apply(hit, ["b"], new_row.to(dev), torch.tensor([9 * bs]).to(dev))
     (got,) = live.take({"b": "key-b"}).values()
     assert isinstance(got, torch.Tensor)
@@ -271,8 +285,10 @@ def check_live_store(cfg: Config, hidden: int, bs: int, chk: Checker) -> None:
 
 def live_store_timing(hidden: int, bs: int, reps: int) -> None:
     """Whether a step's store work waits for the GPU: a matmul stands for the forward pass,
-    `LiveStore.apply` follows on the host; CUDA events time both. Decode steps (one row),
-    then prefill steps (a 512-token chunk each, 8 of them staged at most)."""
+    `LiveStore.start_forward` comes before it and `LiveStore.apply` after it on the host, as
+    the worker calls them on a GPU; CUDA events time the forward pass. Decode steps (one
+    row), then prefill steps (a 512-token chunk each, 8 of them staged at most: every
+    eighth step writes the staged ones before its forward pass)."""
     dev, dtype = "cuda", torch.bfloat16
     live = LiveStore(
         TensorStore(4096, bs, hidden_size=hidden, hidden_dtype=dtype),
@@ -283,6 +299,7 @@ def live_store_timing(hidden: int, bs: int, reps: int) -> None:
     x = torch.randn(8192, hidden, device=dev, dtype=dtype)
     chunk, first_block = 512, 2 + reps * 16 // bs + 1
     for kind in ("decode", "prefill"):
+        first_ms: list[float] = []
         host_ms: list[float] = []
         gpu_ms: list[float] = []
         for step in range(reps * 16 if kind == "decode" else reps):
@@ -297,6 +314,9 @@ def live_store_timing(hidden: int, bs: int, reps: int) -> None:
             plan = StepPlan(caching=True, requests=(planned,))
             slot_mapping = slots.to(dev)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            began = time.perf_counter()
+            live.start_forward(plan)
+            first_ms.append(1e3 * (time.perf_counter() - began))
             start.record()
             out = x @ weight  # the step's forward pass
             end.record()
@@ -310,8 +330,9 @@ def live_store_timing(hidden: int, bs: int, reps: int) -> None:
         flush_ms = 1e3 * (time.perf_counter() - began)
         print(
             f"\nlive store, {kind} step on cuda (a {8192} x {hidden} matmul as the forward "
-            f"pass): apply on the host {statistics.median(host_ms):.3f} ms (median; max "
-            f"{max(host_ms):.3f}, a step that writes the staged ones), forward "
+            f"pass): on the host, before it {statistics.median(first_ms):.3f} ms (median; "
+            f"max {max(first_ms):.3f}, a step that writes the staged ones), apply after it "
+            f"{statistics.median(host_ms):.3f} ms (max {max(host_ms):.3f}); forward "
             f"{statistics.median(gpu_ms):.3f} ms; apply waited for the forward pass if its "
             f"time is near the forward's. Then the write of the steps still staged: "
             f"{flush_ms:.3f} ms"

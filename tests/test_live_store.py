@@ -657,6 +657,75 @@ def test_staged_rows_are_written_once_they_take_max_staged_bytes_on_every_rank(
         LiveStore(live.store, max_results=8, max_staged_bytes=-1, copy_steps=copy_steps)
 
 
+def test_start_forward_writes_before_the_forward_pass_the_staged_rows_apply_would_write(
+    copy_steps: bool | None,
+) -> None:
+    from omnicache.integrations.vllm.staged_steps import MAX_DEFERRED_STEPS
+
+    row_bytes = HIDDEN * 4  # float32
+    num_blocks = 4 + MAX_DEFERRED_STEPS // BS
+
+    def new(max_staged_bytes: int) -> LiveStore:
+        store = TensorStore(num_blocks, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32)
+        return LiveStore(
+            store, max_results=8, max_staged_bytes=max_staged_bytes, copy_steps=copy_steps
+        )
+
+    # The bytes bound: "a" decodes block 1; the fourth row would take the staged
+    # rows past 3 rows. A store told before each forward pass (as on a GPU)
+    # writes the three staged then; one told only after it, in `apply`.
+    first, after = new(3 * row_bytes), new(3 * row_bytes)
+    written: dict[str, list[tuple[int, int]]] = {"first": [], "after": []}
+    for position in range(BS):
+        plan = decode_step({"a": (position, 1)}, {1: K[1]} if position == BS - 1 else {})
+        for name, live in (("first", first), ("after", after)):
+            if live is first:
+                live.start_forward(plan)
+            before = live.stats.num_rows_written
+            live.apply(plan, ["a"], rows(position, 1), slots_of(plan, ["a"]))
+            written[name].append((before, live.stats.num_rows_written))
+    assert written["first"] == [(0, 0), (0, 0), (0, 0), (3, 3)]
+    assert written["after"] == [(0, 0), (0, 0), (0, 0), (0, 3)]
+    for live in (first, after):
+        assert live.flush() == {1: K[1]}
+        assert torch.equal(live.store.read_blocks(HIDDEN_STATES, [1], [K[1]]), rows(0, BS))
+    # "a" goes on into block 2, its last row staged; then a step hits blocks 1
+    # and 2: the staged row is written before that step's forward pass, then read.
+    for position in range(BS, 2 * BS):
+        plan = decode_step({"a": (position, 2)}, {2: K[2]} if position == 2 * BS - 1 else {})
+        first.start_forward(plan)
+        first.apply(plan, ["a"], rows(50 + position, 1), slots_of(plan, ["a"]))
+    assert first.stats.num_rows_written == BS + 3
+    hit = StepPlan(
+        caching=True,
+        requests=(PlannedRequest("c", 2 * BS, 1, (3,), (1, 2), (K[1], K[2])),),
+        prompt_requests={"c": 2 * BS + 1},
+        result_keys={"c": "key-c"},
+    )
+    first.start_forward(hit)
+    assert first.stats.num_rows_written == 2 * BS
+    first.apply(hit, ["c"], rows(90, 1), slots_of(hit, ["c"]))
+    (got,) = first.take({"c": "key-c"}).values()
+    want = torch.cat([rows(0, BS), rows(50 + BS, BS), rows(90, 1)])
+    assert torch.equal(got, want)  # type: ignore[arg-type]
+    assert first.stats.num_stale_hit_blocks == 0
+    # The count bound: before the step that would be the MAX_DEFERRED_STEPS-th
+    # staged, the others are written, and it waits.
+    live = new(MAX_STAGED_BYTES)
+    for step in range(MAX_DEFERRED_STEPS):
+        position = BS + step
+        plan = decode_step({"a": (position, 1 + position // BS)}, {})
+        live.start_forward(plan)
+        live.apply(plan, ["a"], rows(step, 1), slots_of(plan, ["a"]))
+    assert live.stats.num_rows_written == MAX_DEFERRED_STEPS - 1
+    # Twice for one plan: the second does nothing.
+    live.start_forward(plan)
+    assert live.stats.num_rows_written == MAX_DEFERRED_STEPS - 1
+    live.flush()
+    assert live.stats.num_rows_written == MAX_DEFERRED_STEPS
+    assert live.stats.num_slot_mismatches == 0
+
+
 def test_a_staged_step_at_a_slot_outside_the_store_is_refused_before_any_write(
     copy_steps: bool | None,
 ) -> None:

@@ -265,6 +265,8 @@ class LiveStore:
         # write in `begin` stamped (saved to the tier by `apply`).
         self._staged = Staged()
         self._flushed: dict[int, BlockHash] = {}
+        # The model's bytes a row (`start_forward`), as the last staged step's.
+        self._row_bytes = 0
         self.store = store
         self.tier = tier
         self.scorer = scorer
@@ -313,6 +315,31 @@ class LiveStore:
         for req_id, num_tokens in plan.prompt_requests.items():
             every = req_id in plan.sequence_requests
             self._prompts[req_id] = _Prompt(None if every else num_tokens, plan.result_keys[req_id])
+
+    def start_forward(self, plan: StepPlan) -> None:
+        """`begin`, before the step's forward pass, writing first the staged rows the
+        step would write after it.
+
+        The worker calls it on a device (a GPU), where writing staged rows
+        reads their slots: before the forward pass that read waits for the
+        steps before this one, after it for this one's forward pass too.
+        Besides `begin`'s reasons (a step that cannot wait, or clears a block
+        holding staged rows), the staged rows are written when this step's
+        would take them to `MAX_DEFERRED_STEPS` steps or past
+        ``max_staged_bytes`` (the model's bytes a row as the staged steps'),
+        as `apply` would write them. On the CPU, where reading waits for
+        nothing, the worker leaves it to `apply` (this costs a step a second
+        look at its plan).
+        """
+        staged = self._staged
+        if staged.steps and self._begun is not plan:
+            nbytes = sum(item.num_new for item in plan.requests) * self._row_bytes
+            if (
+                len(staged.steps) + 1 >= MAX_DEFERRED_STEPS
+                or staged.nbytes + nbytes > self.max_staged_bytes
+            ):
+                self._flushed.update(self._write_pending())
+        self.begin(plan)
 
     def start_step(self, plan: StepPlan) -> set[int]:
         """`begin`, then the plan's tier loads (of waiting requests, none in this step).
@@ -396,7 +423,8 @@ class LiveStore:
                 # pass, every call into torch is cold.
                 num = len(staged[0])
                 num_given, width = hidden_states.shape[0], hidden_states.shape[-1]
-                nbytes = num * width * hidden_states.element_size()
+                self._row_bytes = row_bytes = width * hidden_states.element_size()
+                nbytes = num * row_bytes
                 num_slots = slot_mapping.shape[0]
                 if (
                     nbytes <= self.max_staged_bytes

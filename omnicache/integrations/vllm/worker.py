@@ -23,6 +23,9 @@ with prefix caching on, the `OmniScheduler`.
   blocks and block size holds a `HIDDEN_STATES` entry of the model's dtype
   on the CPU (its size: KV blocks x block size x hidden size values), kept
   by a `LiveStore`, the worker side the connector hands each step's plan to.
+- On a GPU, before the forward pass, `LiveStore.start_forward` writes the
+  staged rows that the step would write after it (reading their slots then
+  waits for nothing of this step's).
 - Right after the forward pass, inside ``_model_forward`` (before vLLM
   samples or pools the step), `LiveStore.apply` clears the stamps of blocks
   vLLM handed out again, writes the rows, verifies the step's hits, gives
@@ -373,6 +376,7 @@ class OmniWorkerMixin:
         self._omni_layer: str | None = None
         self._omni_kv_bytes = 0
         self._omni_max_staged_bytes: int | None = None
+        self._omni_forward_first = False
 
     def determine_available_memory(self) -> int:
         """vLLM's KV cache budget, less what the store takes of the same memory.
@@ -518,6 +522,9 @@ class OmniWorkerMixin:
             max_staged_bytes=max_staged_bytes,
         )
         connector.bind_worker_side(self.omni_store)
+        # NOTE: on a device the staged rows a step writes are written before its
+        # forward pass, where reading their slots waits for nothing of this step's.
+        self._omni_forward_first = not self._omni_store_in_kv_budget()
         kv_bytes = self._omni_kv_bytes = (
             kv_cache_config.num_blocks * self._omni_bytes_per_block()[0]
         )
@@ -549,6 +556,8 @@ class OmniWorkerMixin:
                 f"{type(self).__name__}: expected {CONNECTOR_NAME}'s step metadata, found "
                 f"{type_name(metadata)}"
             )
+        if self._omni_forward_first:
+            live.start_forward(metadata.plan)
         capture.arm(self._omni_layer, live, metadata.plan)
         try:
             output = super().execute_model(scheduler_output)  # type: ignore[misc]
