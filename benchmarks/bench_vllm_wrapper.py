@@ -55,7 +55,7 @@ from omnicache.integrations.vllm import (
     RequestBlockHasher,
     content_identifier,
 )
-from omnicache.integrations.vllm.manager import StoreMirror
+from omnicache.integrations.vllm.mirror import StoreMirror
 
 # NOTE: vLLM's manager as an engine builds it, from the tests' helpers.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

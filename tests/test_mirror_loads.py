@@ -48,7 +48,7 @@ class Scheduler:
     """The manager wrapped and mirrored, as `OmniScheduler` sets them up."""
 
     def __init__(self, reader: TierReader | None = None) -> None:
-        from omnicache.integrations.vllm.manager import StoreMirror
+        from omnicache.integrations.vllm.mirror import StoreMirror
 
         manager = integration.kv_cache_manager(16)
         self.wrapper = OmniKVCacheManager(manager)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from omnicache.integrations.vllm import OmniKVCacheManager
-from omnicache.integrations.vllm.manager import StoreMirror
+from omnicache.integrations.vllm.mirror import StoreMirror
 from omnicache.store import TensorStore
 
 Rows = Callable[[Any], torch.Tensor]

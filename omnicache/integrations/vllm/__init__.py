@@ -11,9 +11,9 @@ that says how to install it. Its modules follow vLLM's processes
   point: request fields checked, items identified by their content);
 - engine core: ``keys`` (`RequestBlockHasher`: omnicache keys in
   ``request.block_hashes``), ``manager`` (`OmniKVCacheManager`: vLLM's KV
-  cache manager with hits capped to the rows the worker holds; the table of
-  what it holds; each step's plan) and ``scheduler`` (`OmniScheduler`, named
-  as vLLM's ``scheduler_cls``);
+  cache manager with hits capped to the rows the worker holds), ``mirror``
+  (`StoreMirror`: the table of what the worker holds; each step's plan)
+  and ``scheduler`` (`OmniScheduler`, named as vLLM's ``scheduler_cls``);
 - between them: ``plan`` (`StepPlan`, the one message) and ``connector``
   (`OmniStoreConnector`, the KV connector that carries it);
 - worker: ``worker`` (`OmniCPUWorker`, `OmniGPUWorker`: the store of hidden

@@ -1,6 +1,6 @@
 """The one message between omnicache's two processes: `StepPlan`, and the sides that make it.
 
-The engine core builds one `StepPlan` per step (`manager.StoreMirror`, the
+The engine core builds one `StepPlan` per step (`mirror.StoreMirror`, the
 scheduler side) and vLLM carries it to the worker's process inside the
 step's ``SchedulerOutput`` (``kv_connector_metadata``, through
 `connector.OmniStoreConnector`, which does nothing else); the worker

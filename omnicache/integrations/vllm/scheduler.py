@@ -47,7 +47,8 @@ from omnicache.block_hash import DEFAULT_BLOCK_ALGORITHM
 from omnicache.integrations.vllm.common import vllm_series
 from omnicache.integrations.vllm.connector import OmniStoreConnector
 from omnicache.integrations.vllm.keys import RequestBlockHasher, scheduler_block_hasher
-from omnicache.integrations.vllm.manager import OmniKVCacheManager, StoreMirror
+from omnicache.integrations.vllm.manager import OmniKVCacheManager
+from omnicache.integrations.vllm.mirror import StoreMirror
 from omnicache.integrations.vllm.tier import tier_reader
 
 _SERIES = vllm_series()  # vLLM imports this module by name: fail here, with the install hint.

@@ -1,0 +1,385 @@
+"""The engine core's mirror of what the worker holds, and the plan of each step.
+
+Everything here runs in the engine core's process, inside vLLM's scheduler,
+and knows the worker only by the plans it sends it (`plan.StepPlan`):
+
+- `WorkerTable` is what the worker holds, kept without its rows: per block
+  of the KV cache, the key its rows are stamped with (or none) and how many
+  of its rows arrived in order, by the store's own fill and stamp rules
+  (`omnicache.store.fill`).
+- `StoreMirror` writes that table as vLLM allocates slots (the KV cache
+  manager, `manager.OmniKVCacheManager`, tells it each allocation and
+  reuse, and caps hits to the table), and turns each step into its
+  `StepPlan`; it is the connector's scheduler side (`plan.SchedulerSide`),
+  and with a tier it looks blocks up there.
+
+The mirror and the worker. The worker writes every scheduled token's hidden
+states into its store, synchronously inside the step, and stamps the full
+blocks they complete. The scheduler must know those stamps *before* the
+step runs: it caps every prefix hit to stamped blocks, and vLLM caches a
+block as soon as it allocates it, so a request scheduled later in the same
+step can hit a block that this step computes. So the table is written by the
+same rules at the same slots with the same keys, when vLLM allocates the
+slots; blocks vLLM hands out again are cleared in both (``cleared_block_ids``
+in the next plan). Since the worker applies each step's plan before the next
+one, a stamp in the table is a stamp in the worker's store by the time a
+request scheduled after it reads it. An allocation that is not scheduled in
+the end (vLLM's priority preemption can take back a request already
+scheduled) is undone in both. The worker still verifies every hit it reads:
+a table that runs ahead of it costs a counted stale hit, never wrong rows.
+
+Blocks loaded from a tier (docs/architecture.md, "Hidden states in a live
+engine"): the lookup asks only which blocks exist; `StoreMirror.on_loaded`
+stamps them when vLLM allocates them and the plan orders their load while
+vLLM holds the request; `StoreMirror.on_loads_done` clears the blocks that
+did not load, and the request's first scheduled step carries its hit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from omnicache.block_hash import BlockHash
+from omnicache.checks import check_int
+from omnicache.integrations.vllm.manager import OmniKVCacheManager, RequestState
+from omnicache.integrations.vllm.plan import (
+    EXTERNAL_TOKENS_PARAM,
+    LoadOrder,
+    PlannedRequest,
+    StepPlan,
+    block_ids_of,
+    prompt_requests,
+    scheduled,
+)
+from omnicache.integrations.vllm.tier import TierReader
+from omnicache.store.fill import fill_after
+
+__all__ = ["StoreMirror", "WorkerTable"]
+
+
+# -- what the worker holds ---------------------------------------------------------------
+
+
+class WorkerTable:
+    """Per block, the key the worker's rows are stamped with, and how many arrived in order.
+
+    The worker's `TensorStore` without its rows: written by the store's own
+    rules (`omnicache.store.fill`), so that a block is stamped here exactly
+    when it is stamped there. Plain numpy: nothing here holds a tensor.
+
+    Args:
+        num_blocks: blocks of the KV cache (vLLM's null block included).
+        block_size: tokens per block of the group the rows follow.
+    """
+
+    __slots__ = ("block_size", "filled", "num_blocks", "stamps")
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = check_int("num_blocks", num_blocks, minimum=1)
+        self.block_size = check_int("block_size", block_size, minimum=1)
+        self.stamps: list[BlockHash | None] = [None] * num_blocks
+        self.filled: list[int] = [0] * num_blocks
+
+    def write(
+        self, slots: npt.NDArray[np.int64] | list[int], block_keys: Mapping[int, BlockHash]
+    ) -> None:
+        """Rows written at ``slots`` (in order), with the keys of the blocks they may complete.
+
+        Each block touched is stamped with its key if it has one and its rows
+        are then complete, and loses its stamp otherwise (the store's rule).
+        """
+        bs = self.block_size
+        num = len(slots)
+        if num == 0:
+            return
+        if num == 1:
+            # NOTE: a decode step allocates one slot per request: numpy's
+            # per-call cost would be most of the step's work here.
+            runs = [(int(slots[0]), 1)]
+        else:
+            slots = np.asarray(slots, dtype=np.int64)
+            cuts = np.flatnonzero((np.diff(slots) != 1) | (np.diff(slots // bs) != 0)) + 1
+            starts = [0, *cuts.tolist()]
+            stops = [*cuts.tolist(), num]
+            runs = [(int(slots[a]), b - a) for a, b in zip(starts, stops, strict=True)]
+        filled, stamps = self.filled, self.stamps
+        for first, length in runs:
+            block, offset = divmod(first, bs)
+            filled[block] = count = fill_after(int(filled[block]), offset, length)
+            key = block_keys.get(block)
+            stamps[block] = key if key is not None and count == bs else None
+
+    def stamp_blocks(self, block_ids: Sequence[int], block_keys: Sequence[BlockHash]) -> None:
+        """Whole blocks written at once (loaded from a tier), each stamped with its key."""
+        for block_id, key in zip(block_ids, block_keys, strict=True):
+            self.filled[block_id] = self.block_size
+            self.stamps[block_id] = key
+
+    def clear(self, block_ids: Iterable[int]) -> None:
+        """The blocks hold nothing any more."""
+        for block_id in block_ids:
+            self.stamps[block_id] = None
+            self.filled[block_id] = 0
+
+    def clear_all(self) -> None:
+        self.stamps = [None] * self.num_blocks
+        self.filled = [0] * self.num_blocks
+
+    def num_valid(self, block_ids: Sequence[int], block_keys: Sequence[BlockHash]) -> int:
+        """How many of the leading ``block_ids`` are stamped with their ``block_keys``."""
+        stamps = self.stamps
+        for index, (block_id, key) in enumerate(zip(block_ids, block_keys, strict=False)):
+            if stamps[block_id] != key:
+                return index
+        return min(len(block_ids), len(block_keys))
+
+
+# -- the mirror and the plan ----------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Allocation:
+    """Slots vLLM gave a request in the step being scheduled."""
+
+    start: int
+    num_new: int
+    block_ids: tuple[int, ...]
+    block_keys: dict[int, BlockHash]
+
+
+class StoreMirror:
+    """Mirrors the worker's stamps in ``manager``'s store and plans each step.
+
+    Keeps the `WorkerTable` (from then on the manager caps hits to it) and
+    hears the manager's allocations and reuses. It is the connector's
+    scheduler side (`plan.SchedulerSide`): the step's plan, and with a tier
+    (``reader``) the tier's hooks.
+
+    Args:
+        manager: the wrapped manager the scheduler stands on.
+        reader: the tier's reader (None: no tier, no external tokens).
+    """
+
+    def __init__(self, manager: OmniKVCacheManager, reader: TierReader | None = None) -> None:
+        if not isinstance(manager, OmniKVCacheManager):
+            raise TypeError(
+                f"manager: expected an OmniKVCacheManager, found {type(manager).__name__}"
+            )
+        self._manager = manager
+        self._reader = reader
+        self._block_size = manager.group.block_size
+        self.table = WorkerTable(manager.block_pool.num_gpu_blocks, self._block_size)
+        self._allocated: dict[str, _Allocation] = {}
+        # Request id -> its load, ordered in the step being scheduled.
+        self._loaded: dict[str, LoadOrder] = {}
+        # Loads ordered and not yet reported done by the worker.
+        self._loading: set[str] = set()
+        # Request id -> its loaded blocks, until its first scheduled step.
+        self._external_hits: dict[str, LoadOrder] = {}
+        self._cleared: dict[int, None] = {}
+        self._reset = False
+        manager._follow(self)
+
+    # -- the connector's scheduler side ---------------------------------------------------
+
+    def step_plan(self, scheduler_output: Any) -> StepPlan:
+        """The plan of the step ``scheduler_output`` describes (see `plan`)."""
+        prompts, sequences = prompt_requests(scheduler_output)
+        return self.plan(
+            scheduled(scheduler_output),
+            prompts,
+            sorted(scheduler_output.finished_req_ids),
+            sequence_requests=sequences,
+        )
+
+    def num_external_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """The further full blocks of the key chain the tier holds (`TierReader.num_blocks`).
+
+        Never the prompt's last token: vLLM must compute one.
+        """
+        if self._reader is None:
+            return 0
+        size = self._block_size
+        keys = request.block_hashes[: int(request.num_tokens - 1) // size]
+        return self._reader.num_blocks(request.request_id, keys, num_computed_tokens // size) * size
+
+    def on_external_allocated(
+        self, request: Any, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        """Orders the load of the blocks vLLM gave a request's external tokens (`on_loaded`)."""
+        size = self._block_size
+        if num_external_tokens % size or (num_external_tokens and self._reader is None):
+            raise RuntimeError(
+                f"request {request.request_id}: expected external tokens in whole blocks of "
+                f"the tier, found {num_external_tokens}"
+            )
+        if self._reader is None:
+            return
+        num = num_external_tokens // size
+        first, keys = self._reader.allocated(request.request_id, num)
+        if num:
+            self.on_loaded(request.request_id, block_ids[first : first + num], keys)
+
+    def on_loads_done(self, req_ids: Iterable[str], failed_block_ids: Iterable[int]) -> None:
+        """The worker ran these requests' loads; the blocks that did not load lose their stamps.
+
+        A request whose load failed keeps as its hit the blocks before the
+        first that failed, and never asks the tier again.
+        """
+        self._loading.difference_update(req_ids)
+        failed = set(failed_block_ids)
+        if not failed:
+            return
+        ids = sorted(failed)
+        self.table.clear(ids)
+        for block_id in ids:
+            self._cleared[block_id] = None
+        for req_id, order in list(self._external_hits.items()):
+            index = next((i for i, b in enumerate(order.block_ids) if b in failed), None)
+            if index is None:
+                continue
+            if self._reader is not None:
+                self._reader.failed(req_id, index)
+            self._external_hits[req_id] = LoadOrder(
+                req_id, order.block_ids[:index], order.block_keys[:index]
+            )
+
+    def finished(self, request: Any) -> tuple[bool, dict[str, Any]]:
+        """Whether a load holds its blocks; with a tier, ``{"omnicache_external_tokens": n}``."""
+        req_id = request.request_id
+        unread = self._external_hits.pop(req_id, None)
+        if unread is not None:
+            # NOTE: loaded for a request that ended before it ran: vLLM may
+            # never cache them, so no reuse would clear their stamps. The
+            # worker clears them in the next plan, after the load.
+            self.table.clear(unread.block_ids)
+            self._cleared.update(dict.fromkeys(unread.block_ids))
+        if self._reader is None:
+            return req_id in self._loading, {}
+        external = self._reader.finished(req_id) * self._block_size
+        return req_id in self._loading, {EXTERNAL_TOKENS_PARAM: external}
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+
+    # -- what the manager tells it ---------------------------------------------------
+
+    def on_allocated(self, request_id: str, state: RequestState, start: int, num_new: int) -> None:
+        """The request was given slots for its tokens ``start .. start + num_new - 1``,
+        which the step computes (``state``: the request's, its block table updated)."""
+        block_keys: dict[int, BlockHash] = {}
+        slots = state.slots(start, num_new, self._block_size, block_keys, "allocate_slots")
+        self.table.write(slots, block_keys)
+        block_ids = block_ids_of(slots, self._block_size)
+        prior = self._allocated.get(request_id)
+        if prior is not None:
+            # NOTE: two allocations in one step cannot both be the step's
+            # rows: start -1 never matches, so both are undone at planning.
+            block_ids = prior.block_ids + block_ids
+            start = -1
+        self._allocated[request_id] = _Allocation(start, len(slots), block_ids, block_keys)
+
+    def on_cleared(self, block_id: int | None) -> None:
+        """vLLM handed ``block_id`` out again or dropped its key (None: every block)."""
+        if block_id is None:
+            self.table.clear_all()
+            self._reset = True
+            self._cleared.clear()
+        else:
+            self.table.clear((block_id,))
+            self._cleared[block_id] = None
+
+    def on_loaded(
+        self, request_id: str, block_ids: Sequence[int], block_keys: Sequence[BlockHash]
+    ) -> None:
+        """Stamps blocks the worker will load from a tier in this step (see the module)."""
+        if len(block_ids) != len(block_keys):
+            raise ValueError(
+                f"block_keys: expected {len(block_ids)} (one per block), found {len(block_keys)}"
+            )
+        self.table.stamp_blocks(block_ids, block_keys)
+        order = LoadOrder(request_id, tuple(block_ids), tuple(block_keys))
+        self._loaded[request_id] = order
+        self._external_hits[request_id] = order
+
+    # -- planning -------------------------------------------------------------------
+
+    def plan(
+        self,
+        scheduled: Iterable[tuple[str, int, int]],
+        prompt_requests: Mapping[str, int],
+        finished_req_ids: Iterable[str],
+        *,
+        sequence_requests: Iterable[str] = (),
+    ) -> StepPlan:
+        """The step's plan, from its ``(request id, start, num_new)`` as vLLM scheduled them.
+
+        Allocations that do not match what was scheduled are undone: their
+        blocks lose their stamps here, and in the worker's store after the
+        step's writes.
+        """
+        requests: list[PlannedRequest] = []
+        block_keys: dict[int, BlockHash] = {}
+        undone: dict[int, None] = {}
+        size = self._block_size
+        for req_id, start, num_new in scheduled:
+            allocation = self._allocated.pop(req_id, None)
+            external = self._external_hits.pop(req_id, None)
+            if allocation is None or allocation.start != start or allocation.num_new != num_new:
+                if allocation is not None:
+                    undone.update(dict.fromkeys(allocation.block_ids))
+                requests.append(PlannedRequest(req_id, start, num_new))
+                continue
+            block_keys.update(allocation.block_keys)
+            if start % size:
+                # NOTE: no hit: one is given in the step right after it, which
+                # starts a block (most decode steps start none).
+                requests.append(PlannedRequest(req_id, start, num_new, allocation.block_ids))
+                continue
+            hit_ids, hit_keys = self._manager.hit_blocks(req_id)
+            if external is not None:
+                hit_ids, hit_keys = hit_ids + external.block_ids, hit_keys + external.block_keys
+            # NOTE: vLLM takes as computed a prefix of the hit: all of it, or,
+            # after a failed load, the blocks before the first that failed.
+            num_hit = start // size
+            if num_hit > len(hit_ids):
+                hit_ids, hit_keys = (), ()
+            requests.append(
+                PlannedRequest(
+                    req_id,
+                    start,
+                    num_new,
+                    allocation.block_ids,
+                    hit_ids[:num_hit],
+                    hit_keys[:num_hit],
+                )
+            )
+        for allocation in self._allocated.values():
+            undone.update(dict.fromkeys(allocation.block_ids))
+        loads = list(self._loaded.values())
+        self._loading.update(self._loaded)
+        if undone:
+            self.table.clear(undone)
+        plan = StepPlan(
+            caching=True,
+            requests=tuple(requests),
+            block_keys=block_keys,
+            prompt_requests=dict(prompt_requests),
+            sequence_requests=frozenset(sequence_requests),
+            cleared_block_ids=tuple(self._cleared),
+            reset=self._reset,
+            invalidated_block_ids=tuple(undone),
+            finished_req_ids=tuple(finished_req_ids),
+            loads=tuple(loads),
+        )
+        self._allocated.clear()
+        self._loaded.clear()
+        self._cleared.clear()
+        self._reset = False
+        return plan
