@@ -327,9 +327,11 @@ class LiveStore:
         holding staged rows), the staged rows are written when this step's
         would take them to `MAX_DEFERRED_STEPS` steps or past
         ``max_staged_bytes`` (the model's bytes a row as the staged steps'),
-        as `apply` would write them. On the CPU, where reading waits for
-        nothing, the worker leaves it to `apply` (this costs a step a second
-        look at its plan).
+        as `apply` would write them. What only the step's rows show (a batch
+        of other requests than planned, slots read at other places) is left
+        to `apply`, after the forward pass. On the CPU, where reading waits
+        for nothing, the worker leaves it all to `apply` (this costs a step
+        a second look at its plan).
         """
         staged = self._staged
         if staged.steps and self._begun is not plan:

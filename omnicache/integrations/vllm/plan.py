@@ -60,7 +60,8 @@ class PlannedRequest:
 
     Built by the scheduler and never changed after (as `StepPlan`). Not a
     frozen dataclass: the scheduler builds one a request every step, and a
-    frozen one's construction took 5 times as long (``__setattr__`` a field).
+    frozen one took 5 times as long to build (it sets each field through
+    ``object.__setattr__``).
     """
 
     req_id: str

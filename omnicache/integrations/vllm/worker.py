@@ -24,8 +24,8 @@ with prefix caching on, the `OmniScheduler`.
   on the CPU (its size: KV blocks x block size x hidden size values), kept
   by a `LiveStore`, the worker side the connector hands each step's plan to.
 - On a GPU, before the forward pass, `LiveStore.start_forward` writes the
-  staged rows that the step would write after it (reading their slots then
-  waits for nothing of this step's).
+  staged rows that the step's plan shows it would write after it (reading
+  their slots then waits for nothing of this step's).
 - Right after the forward pass, inside ``_model_forward`` (before vLLM
   samples or pools the step), `LiveStore.apply` clears the stamps of blocks
   vLLM handed out again, writes the rows, verifies the step's hits, gives
@@ -522,8 +522,8 @@ class OmniWorkerMixin:
             max_staged_bytes=max_staged_bytes,
         )
         connector.bind_worker_side(self.omni_store)
-        # NOTE: on a device the staged rows a step writes are written before its
-        # forward pass, where reading their slots waits for nothing of this step's.
+        # NOTE: on a device the staged rows a step's plan shows it will write are
+        # written before its forward pass: reading their slots waits for earlier steps only.
         self._omni_forward_first = not self._omni_store_in_kv_budget()
         kv_bytes = self._omni_kv_bytes = (
             kv_cache_config.num_blocks * self._omni_bytes_per_block()[0]
