@@ -17,20 +17,19 @@ keys (``scheduler_cls`` only); omnicache's keys and the store (plus
 `OmniCPUWorker` and `OmniStoreConnector`, every step's rows written at their
 slots). Columns: the engine core's step time (median over the workload's
 steps); the store's work in a step (median over the steps), on each side:
-the worker's (the capture after the forward pass: the step's slots and
-batch order, and `LiveStore.apply`: row writes, hit checks, prompt results;
-and the connector's worker hooks vLLM calls each step, ``start_load_kv``
-with `LiveStore.start_step` among them; not its per-layer hooks, which
-return at once) and the
-scheduler's (the mirror's record of each allocation, `StoreMirror.on_allocated`,
-and the connector's scheduler hooks, ``build_connector_meta`` with the
-step's plan among them); their shares of the steps (the workload's store
-time over its step time: the steps that write the rows of the staged
-decode steps count in full, and so does the write of those the workload's
-last steps left staged); and the step time over vLLM's (engines differ by
-5-10% from one start to the next here: the timed store work is the
-measure, not this ratio). The timers' own cost, about 0.2 us a timed
-call warm, is counted in the store's. Medians over
+the worker's (the capture after the forward pass: the step's slots and batch
+order, and `LiveStore.apply`: row writes, hit checks, prompt results; and
+the connector's worker hooks vLLM calls each step, ``start_load_kv`` with
+`LiveStore.start_step` among them; not its per-layer hooks, which return at
+once) and the scheduler's (the mirror's record of each allocation,
+`StoreMirror.on_allocated`, and the connector's scheduler hooks,
+``build_connector_meta`` with the step's plan among them); their shares of
+the steps (the workload's store time over its step time: the steps that
+write the rows of the staged decode steps count in full, and so does the
+write of those the workload's last steps left staged); and the step time
+over vLLM's (engines differ by 5-40% from one start to the next here: the
+timed store work is the measure, not this ratio). The timers' own cost,
+about 0.2 us a timed call warm, is counted in the store's. Medians over
 ``--repeats`` passes; the modes take turns, each pass on a fresh engine
 after a warm-up workload of its own.
 

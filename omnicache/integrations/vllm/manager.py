@@ -633,7 +633,11 @@ class OmniKVCacheManager:
         state = self._state(request_id)
         return state.hit_block_ids, state.hit_block_keys
 
-    def _follow(self, mirror: StoreMirror) -> None:
+    def follow(self, mirror: StoreMirror) -> None:
+        """Tells ``mirror`` every allocation and reuse from now on, and caps hits to its table.
+
+        The mirror calls it once, when it is made (`mirror.StoreMirror`).
+        """
         if self._mirror is not None:
             raise ValueError("manager: expected no mirror yet, found one following it")
         self._mirror = mirror

@@ -183,7 +183,7 @@ class StoreMirror:
         self._external_hits: dict[str, LoadOrder] = {}
         self._cleared: dict[int, None] = {}
         self._reset = False
-        manager._follow(self)
+        manager.follow(self)
 
     # -- the connector's scheduler side ---------------------------------------------------
 
