@@ -18,6 +18,7 @@ import gc
 import importlib.metadata
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -182,10 +183,21 @@ def prompt_logprobs_difference(got: Any, want: Any) -> float:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
+    """A port free now, below the kernel's ephemeral range (32768 and up).
+
+    A port that the kernel handed out for ``bind(0)`` can be handed out again
+    to the next socket that binds or connects before its user binds it. Below
+    the ephemeral range only an explicit bind can take it.
+    """
+    for _ in range(200):
+        port = random.randint(20000, 32767)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
         return port
+    raise RuntimeError("no free port in 20000-32767")
 
 
 class EventListener:
@@ -232,7 +244,7 @@ class EventListener:
 
 
 def test_multiprocess_engine_keys_blocks_with_omnicache_keys(
-    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     from vllm.config import KVEventsConfig
 
@@ -240,14 +252,16 @@ def test_multiprocess_engine_keys_blocks_with_omnicache_keys(
     # inherits the options set here.
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     monkeypatch.setenv("OMNICACHE_NAMESPACE", "tiny-qwen2")
-    port = free_port()
-    listener = EventListener(f"tcp://127.0.0.1:{port}")
+    # A socket file, not a TCP port: a port found free here was once taken by
+    # another socket before the engine core bound it ("Address already in use").
+    endpoint = f"ipc://{tmp_path / 'events.ipc'}"
+    listener = EventListener(endpoint)
     llm = LLM(
         **engine_args(
             models["text"],
             scheduler_cls=SCHEDULER,
             kv_events_config=KVEventsConfig(
-                enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{port}"
+                enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint
             ),
         )
     )

@@ -107,13 +107,11 @@ class Server:
         env: Mapping[str, str] | None = None,
     ) -> None:
         self.port = free_port()
-        events_port = free_port()
-        self.events = EventListener(f"tcp://127.0.0.1:{events_port}")
-        events = {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://*:{events_port}",
-        }
+        # A socket file beside the log, not a TCP port: a port found free here
+        # can be taken by another socket before the engine core binds it.
+        events_endpoint = f"ipc://{log.parent / 'events.ipc'}"
+        self.events = EventListener(events_endpoint)
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events_endpoint}
         command = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--served-model-name", "tiny-vl",
