@@ -214,9 +214,13 @@ def find_server(tmp_dir: Path) -> RedisServer | str:
 
 
 def _free_cluster_port() -> int:
-    """A free port p <= 55535 whose bus port p + 10000 is free too (Redis Cluster's rule)."""
+    """A free port p whose bus port p + 10000 is free too (Redis Cluster's rule).
+
+    Both below the kernel's ephemeral ports (32768 and up), which it may hand
+    to another socket before the node binds them.
+    """
     for _ in range(200):
-        port = random.randint(20000, 55535)
+        port = random.randint(20000, 22767)
         try:
             for candidate in (port, port + 10000):
                 with socket.socket() as sock:
