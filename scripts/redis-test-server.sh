@@ -74,23 +74,8 @@ case "$cmd" in
     else
       python=$venv/bin/python
       [ -x "$python" ] || python=python3
-      # NOTE: below the kernel's ephemeral ports (32768 and up), which it may
-      # hand to another socket between this check and the server's bind, or
-      # while a test has the server stopped.
-      port=$("$python" -c '
-import random, socket
-for _ in range(200):
-    port = random.randint(20000, 32767)
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-    print(port)
-    break
-else:
-    raise SystemExit("redis-test-server: no free port in 20000-32767")
-')
+      # NOTE: below the kernel's ephemeral ports (tests/ports.py says why).
+      port=$("$python" "$root/tests/ports.py")
     fi
     printf '%s\n' "bind 127.0.0.1" "port $port" "daemonize yes" "pidfile $dir/redis.pid" \
       "logfile $dir/redis.log" "dir $dir" 'save ""' "appendonly no" > "$dir/redis.conf"

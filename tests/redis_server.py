@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +33,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import redis
+from ports import HIGHEST, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "redis-test-server.sh"
@@ -213,24 +212,6 @@ def find_server(tmp_dir: Path) -> RedisServer | str:
         return str(exc)
 
 
-def _free_cluster_port() -> int:
-    """A free port p whose bus port p + 10000 is free too (Redis Cluster's rule).
-
-    Both below the kernel's ephemeral ports (32768 and up), which it may hand
-    to another socket before the node binds them.
-    """
-    for _ in range(200):
-        port = random.randint(20000, 22767)
-        try:
-            for candidate in (port, port + 10000):
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", candidate))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free port pair for a cluster node")
-
-
 def start_cluster(folder: Path, executable: str, num_nodes: int = 3) -> list[RedisServer]:
     """A Redis Cluster of ``num_nodes`` masters on loopback, slots spread evenly."""
     nodes: list[RedisServer] = []
@@ -238,7 +219,7 @@ def start_cluster(folder: Path, executable: str, num_nodes: int = 3) -> list[Red
         for index in range(num_nodes):
             node_dir = folder / f"node{index}"
             node_dir.mkdir(parents=True)
-            port = _free_cluster_port()
+            port = free_port(HIGHEST - 10000, offsets=(0, 10000))  # and its bus port
             config = node_dir / "redis.conf"
             config.write_text(
                 f"bind 127.0.0.1\nport {port}\ndaemonize yes\npidfile {node_dir}/redis.pid\n"

@@ -18,8 +18,6 @@ import gc
 import importlib.metadata
 import json
 import os
-import random
-import socket
 import subprocess
 import sys
 import threading
@@ -180,24 +178,6 @@ def prompt_logprobs_difference(got: Any, want: Any) -> float:
 # in-process engines in the same process, the multiprocess engine served the
 # same hits, but only its first batch of KV events reached this subscriber
 # (cause not pinned down; in-process CPU engines bind this process's threads).
-
-
-def free_port() -> int:
-    """A port free now, below the kernel's ephemeral range (32768 and up).
-
-    A port that the kernel handed out for ``bind(0)`` can be handed out again
-    to the next socket that binds or connects before its user binds it. Below
-    the ephemeral range only an explicit bind can take it.
-    """
-    for _ in range(200):
-        port = random.randint(20000, 32767)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port in 20000-32767")
 
 
 class EventListener:

@@ -33,13 +33,13 @@ from typing import Any, NamedTuple
 
 import pytest
 from PIL import Image
+from ports import free_port
 from test_vllm_live import (
     BLOCK_SIZE,
     IMAGE_SIDE,
     PREAMBLE,
     SCHEDULER,
     EventListener,
-    free_port,
     full_block_keys,
     picture,
     token_span,
