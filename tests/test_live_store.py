@@ -32,10 +32,17 @@ def copy_steps(request: pytest.FixtureRequest) -> bool | None:
     return cast("bool | None", request.param)
 
 
-def new_live(max_results: int = 8, *, copy_steps: bool | None, num_blocks: int = 8) -> LiveStore:
+def new_live(
+    max_results: int = 8,
+    *,
+    copy_steps: bool | None,
+    num_blocks: int = 8,
+    max_staged_bytes: int = MAX_STAGED_BYTES,
+) -> LiveStore:
     return LiveStore(
         TensorStore(num_blocks, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32),
         max_results=max_results,
+        max_staged_bytes=max_staged_bytes,
         copy_steps=copy_steps,
     )
 
@@ -448,13 +455,7 @@ def test_decode_steps_write_their_rows_before_anything_reads_the_store(
     from omnicache.integrations.vllm.staged_steps import MAX_DEFERRED_STEPS
 
     # Blocks enough for MAX_DEFERRED_STEPS more decode steps of one request.
-    live = LiveStore(
-        TensorStore(
-            8 + MAX_DEFERRED_STEPS // BS, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32
-        ),
-        max_results=8,
-        copy_steps=copy_steps,
-    )
+    live = new_live(copy_steps=copy_steps, num_blocks=8 + MAX_DEFERRED_STEPS // BS)
     # "a" decodes positions 4..7 into block 2 (completing it), "b" 0..3 into block 3.
     stamped: dict[int, BlockHash] = {}
     for step in range(BS):
@@ -621,12 +622,7 @@ def test_staged_rows_are_written_once_they_take_max_staged_bytes_on_every_rank(
     from omnicache.integrations.vllm.live_store import follower_store
 
     row_bytes = HIDDEN * 4  # float32
-    live = LiveStore(
-        TensorStore(8, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32),
-        max_results=8,
-        max_staged_bytes=3 * row_bytes,
-        copy_steps=copy_steps,
-    )
+    live = new_live(copy_steps=copy_steps, max_staged_bytes=3 * row_bytes)
     # A follower keeps no rows, yet counts the model's: it writes at the same step.
     follower = LiveStore(
         follower_store(8, BS),
@@ -665,16 +661,13 @@ def test_start_forward_writes_before_the_forward_pass_the_staged_rows_apply_woul
     row_bytes = HIDDEN * 4  # float32
     num_blocks = 4 + MAX_DEFERRED_STEPS // BS
 
-    def new(max_staged_bytes: int) -> LiveStore:
-        store = TensorStore(num_blocks, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32)
-        return LiveStore(
-            store, max_results=8, max_staged_bytes=max_staged_bytes, copy_steps=copy_steps
-        )
-
     # The bytes bound: "a" decodes block 1; the fourth row would take the staged
     # rows past 3 rows. A store told before each forward pass (as on a GPU)
     # writes the three staged then; one told only after it, in `apply`.
-    first, after = new(3 * row_bytes), new(3 * row_bytes)
+    first, after = (
+        new_live(copy_steps=copy_steps, num_blocks=num_blocks, max_staged_bytes=3 * row_bytes)
+        for _ in range(2)
+    )
     written: dict[str, list[tuple[int, int]]] = {"first": [], "after": []}
     for position in range(BS):
         plan = decode_step({"a": (position, 1)}, {1: K[1]} if position == BS - 1 else {})
@@ -711,7 +704,7 @@ def test_start_forward_writes_before_the_forward_pass_the_staged_rows_apply_woul
     assert first.stats.num_stale_hit_blocks == 0
     # The count bound: before the step that would be the MAX_DEFERRED_STEPS-th
     # staged, the others are written, and it waits.
-    live = new(MAX_STAGED_BYTES)
+    live = new_live(copy_steps=copy_steps, num_blocks=num_blocks)
     for step in range(MAX_DEFERRED_STEPS):
         position = BS + step
         plan = decode_step({"a": (position, 1 + position // BS)}, {})
