@@ -3,9 +3,24 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["PerStep", "Timed"]
+
+
+def _wrap(owner: Any, name: str, record: Callable[[float], None]) -> None:
+    """Replaces ``owner.name`` with a wrapper that hands each call's wall time to ``record``."""
+    inner = getattr(owner, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            record(time.perf_counter() - start)
+
+    setattr(owner, name, timed)
 
 
 class Timed:
@@ -13,16 +28,7 @@ class Timed:
 
     def __init__(self, owner: Any, name: str) -> None:
         self.times: list[float] = []
-        inner = getattr(owner, name)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.times.append(time.perf_counter() - start)
-
-        setattr(owner, name, timed)
+        _wrap(owner, name, self.times.append)
 
 
 class PerStep:
@@ -58,18 +64,13 @@ class PerStep:
         one that is not the group's work: a wrapper's inner call).
         """
         self.totals.setdefault(group, [])
-        inner = getattr(owner, name)
         sign = -1.0 if subtract else 1.0
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                if group in self._current:
-                    self._current[group] += sign * (time.perf_counter() - start)
+        def record(seconds: float) -> None:
+            if group in self._current:
+                self._current[group] += sign * seconds
 
-        setattr(owner, name, timed)
+        _wrap(owner, name, record)
 
     def clear(self) -> None:
         self.step_times.clear()
