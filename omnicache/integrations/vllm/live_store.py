@@ -330,8 +330,9 @@ class LiveStore:
         as `apply` would write them. What only the step's rows show (a batch
         of other requests than planned, slots read at other places) is left
         to `apply`, after the forward pass. On the CPU, where reading waits
-        for nothing, the worker leaves it all to `apply` (this costs a step
-        a second look at its plan).
+        for nothing, the worker does not call it and leaves it all to
+        `apply`: it would cost each step a second look at its plan (with
+        staged steps, `begin` here and `apply` after both run `staged_slots`).
         """
         staged = self._staged
         if staged.steps and self._begun is not plan:
