@@ -149,6 +149,48 @@ def test_requests_sharing_hit_blocks_get_each_their_own_blocks_then_their_rows(
     assert (live.stats.num_hit_blocks, live.stats.num_prompt_results) == (4, 2)
 
 
+def test_a_prompt_hit_no_other_request_needs_is_read_into_its_result_the_shared_ones_once(
+    copy_steps: bool | None,
+) -> None:
+    live = new_live(copy_steps=copy_steps, num_blocks=16)
+    # Request "a" fills blocks 1 to 6 (24 tokens, every block full).
+    first = StepPlan(
+        caching=True,
+        requests=(PlannedRequest("a", 0, 24, (1, 2, 3, 4, 5, 6)),),
+        block_keys={block: K[block] for block in range(1, 7)},
+    )
+    live.apply(first, ["a"], rows(100, 24), slots_of(first, ["a"]))
+    # "b" alone hits blocks 1 and 2; "c" and "d" share block 3; "e" hits blocks
+    # 5 and 6 without asking; "f" hits block 6 under another key (stale).
+    second = StepPlan(
+        caching=True,
+        requests=(
+            PlannedRequest("b", 8, 1, (8,), (1, 2), (K[1], K[2])),
+            PlannedRequest("c", 8, 2, (9,), (3, 4), (K[3], K[4])),
+            PlannedRequest("d", 4, 1, (10,), (3,), (K[3],)),
+            PlannedRequest("e", 8, 1, (11,), (5, 6), (K[5], K[6])),
+            PlannedRequest("f", 4, 1, (12,), (6,), (K[7],)),
+        ),
+        prompt_requests={"b": 9, "c": 10, "d": 5, "f": 5},
+        result_keys={"b": "key-b", "c": "key-c", "d": "key-d", "f": "key-f"},
+    )
+    order = ["f", "d", "c", "b", "e"]
+    live.apply(second, order, rows(500, 6), slots_of(second, order))
+    found = live.take({"b": "key-b", "c": "key-c", "d": "key-d", "f": "key-f"})
+    assert found["f"] is None
+    assert torch.equal(found["d"], torch.cat([rows(108, 4), rows(501, 1)]))  # type: ignore[arg-type]
+    assert torch.equal(found["c"], torch.cat([rows(108, 8), rows(502, 2)]))  # type: ignore[arg-type]
+    assert torch.equal(found["b"], torch.cat([rows(100, 8), rows(504, 1)]))  # type: ignore[arg-type]
+    # b's blocks, read into its result: its own memory, no more.
+    b_rows = cast("torch.Tensor", found["b"])
+    assert b_rows.untyped_storage().nbytes() == b_rows.numel() * b_rows.element_size()
+    # Blocks 1 and 2 for "b", 3 and 4 for "c" and "d": each read once.
+    assert live.store.stats.num_hit_blocks_read == 4
+    stats = live.stats
+    assert (stats.num_hit_requests, stats.num_hit_blocks, stats.num_stale_hit_blocks) == (5, 8, 1)
+    assert (stats.num_prompt_results, stats.num_prompt_failures) == (3, 1)
+
+
 def test_a_hit_on_a_cleared_block_is_counted_and_never_served(copy_steps: bool | None) -> None:
     live = new_live(copy_steps=copy_steps)
     plan = StepPlan(
