@@ -16,22 +16,26 @@ Rows, one engine each: vLLM's own prefix caching (the baseline); omnicache's
 keys (``scheduler_cls`` only); omnicache's keys and the store (plus
 `OmniCPUWorker` and `OmniStoreConnector`, every step's rows written at their
 slots). Columns: the engine core's step time (median over the workload's
-steps); the store's work in a step (median over the steps), on each side:
-the worker's (the capture after the forward pass: the step's slots and batch
-order, and `LiveStore.apply`: row writes, hit checks, prompt results; and
-the connector's worker hooks vLLM calls each step, ``start_load_kv`` with
-`LiveStore.start_step` among them; not its per-layer hooks, which return at
-once) and the scheduler's (the mirror's record of each allocation,
-`StoreMirror.on_allocated`, and the connector's scheduler hooks,
-``build_connector_meta`` with the step's plan among them); their shares of
-the steps (the workload's store time over its step time: the steps that
-write the rows of the staged decode steps count in full, and so does the
-write of those the workload's last steps left staged); and the step time
-over vLLM's (engines differ by 5-40% from one start to the next here: the
-timed store work is the measure, not this ratio). The timers' own cost,
-about 0.2 us a timed call warm, is counted in the store's. Medians over
-``--repeats`` passes; the modes take turns, each pass on a fresh engine
-after a warm-up workload of its own.
+steps); the step's time besides the model's forward pass ("other": every
+mode's own work, and vLLM's, per step); the store's work in a step (median
+over the steps), on each side: the worker's (the capture after the forward
+pass: the step's slots and batch order, and `LiveStore.apply`: row writes,
+hit checks, prompt results; and the connector's worker hooks vLLM calls each
+step, ``start_load_kv`` with `LiveStore.start_step` among them; not its
+per-layer hooks, which return at once) and the scheduler's (the mirror's
+record of each allocation, `StoreMirror.on_allocated`, and the connector's
+scheduler hooks, ``build_connector_meta`` with the step's plan among them);
+their shares of the steps (the workload's store time over its step time: the
+steps that write the rows of the staged decode steps count in full, and so
+does the write of those the workload's last steps left staged); the store's
+other time over the keys' alone, as a share of its step ("+other": what the
+store adds a step, timed or not: vLLM's own work for a KV connector,
+omnicache's that no timer here counts, and the timers; a noisy difference of
+two medians); and the step time over vLLM's (engines differ by 5-40% from
+one start to the next here: the timed store work is the measure, not this
+ratio). The timers' own cost, about 0.2 us a timed call warm, is counted in
+the store's. Medians over ``--repeats`` passes; the modes take turns, each
+pass on a fresh engine after a warm-up workload of its own.
 
 Run with the live engine's environment (``./dev live`` prepares ``.venv-live``):
 
@@ -127,8 +131,10 @@ def run_pass(mode: str, model: Path, args: argparse.Namespace) -> dict[str, dict
     core = llm.llm_engine.engine_core.engine_core
     steps = PerStep(core, "step_fn")
     live = None
-    if mode == "keys + store":
-        worker = core.model_executor.driver_worker.worker
+    worker = core.model_executor.driver_worker.worker
+    if mode != "keys + store":
+        steps.time("model", worker.model_runner, "_model_forward")
+    else:
         live = worker.omni_store
         # NOTE: omnicache's capture stands where vLLM's runner calls the model
         # (`_model_forward`): its time but the model's is the store's
@@ -136,6 +142,7 @@ def run_pass(mode: str, model: Path, args: argparse.Namespace) -> dict[str, dict
         capture = worker.model_runner._model_forward
         steps.time("worker", worker.model_runner, "_model_forward")
         steps.time("worker", capture, "forward", subtract=True)
+        steps.time("model", capture, "forward")
         # NOTE: vLLM calls each by attribute, every step (and a layer's, every layer).
         worker_side = get_kv_transfer_group()
         for name in WORKER_HOOKS:
@@ -175,6 +182,12 @@ def run_pass(mode: str, model: Path, args: argparse.Namespace) -> dict[str, dict
                 flush_s = time.perf_counter() - began
             total_s = sum(steps.step_times)
             result = {"step ms": 1e3 * statistics.median(steps.step_times)}
+            # NOTE: everything the step does but the model's forward pass: the
+            # store's work, and vLLM's that a connector adds, timed or not.
+            result["other ms"] = 1e3 * statistics.median(
+                step - model
+                for step, model in zip(steps.step_times, steps.totals["model"], strict=True)
+            )
             for side in SIDES:
                 times = steps.totals.get(side, [0.0])
                 extra_s = flush_s if side == "worker" else 0.0
@@ -208,26 +221,31 @@ def main() -> None:
         f"{args.decode_tokens} new; median step, median of {args.repeats} passes; the store's "
         f"work a step in the worker and in the scheduler, and their shares of the steps"
     )
-    keys = ("step ms", "worker ms", "scheduler ms", "worker share", "scheduler share")
+    keys = ("step ms", "other ms", "worker ms", "scheduler ms", "worker share", "scheduler share")
     print(
-        f"{'workload':<9}{'mode':<16}{'step ms':>10}{'worker ms':>11}{'sched ms':>10}"
-        f"{'worker':>8}{'sched':>8}{'store':>8}{'/ vLLM':>9}"
+        f"{'workload':<9}{'mode':<16}{'step ms':>10}{'other ms':>10}{'worker ms':>11}"
+        f"{'sched ms':>10}{'worker':>8}{'sched':>8}{'store':>8}{'+other':>8}{'/ vLLM':>9}"
     )
     for w in WORKLOADS:
         vllm_step = statistics.median(p[w]["step ms"] for p in passes["vLLM"])
+        keys_other = statistics.median(p[w]["other ms"] for p in passes["omnicache keys"])
         for mode, runs in passes.items():
             row = {k: statistics.median(p[w][k] for p in runs) for k in keys}
             # NOTE: the store's share is each pass's two shares added, then the median.
             store = statistics.median(p[w]["worker share"] + p[w]["scheduler share"] for p in runs)
+            other = (row["other ms"] - keys_other) / row["step ms"]
             cells = (
                 f"{row['worker ms']:>11.3f}{row['scheduler ms']:>10.3f}"
                 f"{100 * row['worker share']:>7.2f}%{100 * row['scheduler share']:>7.2f}%"
-                f"{100 * store:>7.2f}%"
+                f"{100 * store:>7.2f}%{100 * other:>7.2f}%"
                 if mode == "keys + store"
-                else f"{'-':>11}{'-':>10}{'-':>8}{'-':>8}{'-':>8}"
+                else f"{'-':>11}{'-':>10}{'-':>8}{'-':>8}{'-':>8}{'-':>8}"
             )
             ratio = row["step ms"] / vllm_step
-            print(f"{w:<9}{mode:<16}{row['step ms']:>10.3f}{cells}{ratio:>8.3f}x")
+            print(
+                f"{w:<9}{mode:<16}{row['step ms']:>10.3f}{row['other ms']:>10.3f}{cells}"
+                f"{ratio:>8.3f}x"
+            )
 
 
 if __name__ == "__main__":
