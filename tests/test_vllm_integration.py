@@ -828,6 +828,36 @@ def test_chunked_prefill_and_decode_stamp_blocks_as_they_fill() -> None:
 
 
 @needs_vllm
+def test_a_decode_token_given_slots_twice_in_one_step_stamps_nothing() -> None:
+    h = Harness()
+    request = h.request("a", image_prompt(), [image_feature(RED_HEX, 16, 32)])
+    assert h.admit(request) == 0
+    h.step([(request, request.num_tokens)])
+    # 56 prompt tokens: block 4 holds 8; decode tokens fill it up to its last row.
+    for token_id in range(300, 307):
+        request.append_output_token_ids(token_id)
+        assert h.wrapper.allocate_slots(request, 1) is not None
+        h.step([(request, 1)], flush=False)
+    assert h.stamps([4]) == ([None], [None])
+    request.append_output_token_ids(307)
+    # The token that completes block 4 is given slots twice before the step
+    # is planned: neither allocation is the step's rows, so both are undone.
+    assert h.wrapper.allocate_slots(request, 1) is not None
+    assert h.wrapper.allocate_slots(request, 1) is not None
+    h.step([(request, 1)])
+    assert h.stamps([3, 4]) == ([request.block_hashes[2], None],) * 2
+    assert h.live.stats.num_slot_mismatches == 1
+    # A request with the same tokens hits the first three blocks only.
+    h.finish(request)
+    follow_up = h.request(
+        "b", image_prompt() + list(range(300, 308)) + [9], [image_feature(RED_HEX, 16, 32)]
+    )
+    num_hit, block_ids, rows = h.run(follow_up)
+    assert (num_hit, block_ids[:3]) == (48, [1, 2, 3])
+    assert_rows_exact(rows, follow_up)
+
+
+@needs_vllm
 def test_wrapper_checks_the_manager_it_wraps() -> None:
     h = Harness()
     with pytest.raises(ValueError, match=r"expected a manager not wrapped yet"):

@@ -257,25 +257,13 @@ class RequestState:
         block_size: int,
         block_keys: dict[int, BlockHash],
         where: str,
-    ) -> npt.NDArray[np.int64] | list[int]:
+    ) -> npt.NDArray[np.int64]:
         """Slots of the request's tokens ``[start, start + num_new)``, ``num_new > 0``.
 
         Adds to ``block_keys`` the key of each full block those tokens touch.
-        A decode step's one slot is a list: numpy's per-call cost would be
-        most of the work of its allocation.
+        (A decode step's one token: `token_block`.)
         """
         blocks = self.blocks
-        if num_new == 1:
-            # NOTE: a decode step's one slot, in a few statements (each allocation
-            # of every step comes here); a slot out of range or in vLLM's null
-            # block goes on to the errors below.
-            index = start // block_size
-            block_id = blocks[index].block_id if index < len(blocks) else NULL_BLOCK_ID
-            if block_id != NULL_BLOCK_ID:
-                hashes = self.keys()
-                if index < len(hashes):
-                    block_keys[block_id] = hashes[index]
-                return [block_id * block_size + start % block_size]
         stop = start + num_new
         if stop > len(blocks) * block_size:
             raise ValueError(
@@ -299,6 +287,24 @@ class RequestState:
             ids[positions // block_size - first] * block_size + positions % block_size
         )
         return slots
+
+    def token_block(self, position: int, block_size: int) -> tuple[int, BlockHash | None] | None:
+        """The block of the request's token at ``position``, and its key if it is a full block.
+
+        None when the token has no block (out of range, or in vLLM's null
+        block: `slots` says which). A decode step's one token, in a few
+        statements: each request of every step comes here, where numpy's
+        per-call cost would be most of the work.
+        """
+        index = position // block_size
+        blocks = self.blocks
+        if index >= len(blocks):
+            return None
+        block_id: int = blocks[index].block_id
+        if block_id == NULL_BLOCK_ID:
+            return None
+        hashes = self.keys()
+        return block_id, hashes[index] if index < len(hashes) else None
 
     def keys(self) -> Sequence[BlockHash]:
         """The keys of the request's full blocks in the rows' group."""

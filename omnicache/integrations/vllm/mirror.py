@@ -85,9 +85,7 @@ class WorkerTable:
         self.stamps: list[BlockHash | None] = [None] * num_blocks
         self.filled: list[int] = [0] * num_blocks
 
-    def write(
-        self, slots: npt.NDArray[np.int64] | list[int], block_keys: Mapping[int, BlockHash]
-    ) -> None:
+    def write(self, slots: npt.NDArray[np.int64], block_keys: Mapping[int, BlockHash]) -> None:
         """Rows written at ``slots`` (in order), with the keys of the blocks they may complete.
 
         Each block touched is stamped with its key if it has one and its rows
@@ -97,22 +95,19 @@ class WorkerTable:
         num = len(slots)
         if num == 0:
             return
-        if num == 1:
-            # NOTE: a decode step allocates one slot per request: numpy's
-            # per-call cost would be most of the step's work here.
-            runs = [(int(slots[0]), 1)]
-        else:
-            slots = np.asarray(slots, dtype=np.int64)
-            cuts = np.flatnonzero((np.diff(slots) != 1) | (np.diff(slots // bs) != 0)) + 1
-            starts = [0, *cuts.tolist()]
-            stops = [*cuts.tolist(), num]
-            runs = [(int(slots[a]), b - a) for a, b in zip(starts, stops, strict=True)]
-        filled, stamps = self.filled, self.stamps
-        for first, length in runs:
-            block, offset = divmod(first, bs)
-            filled[block] = count = fill_after(int(filled[block]), offset, length)
-            key = block_keys.get(block)
-            stamps[block] = key if key is not None and count == bs else None
+        slots = np.asarray(slots, dtype=np.int64)
+        cuts = np.flatnonzero((np.diff(slots) != 1) | (np.diff(slots // bs) != 0)) + 1
+        starts = [0, *cuts.tolist()]
+        stops = [*cuts.tolist(), num]
+        for a, b in zip(starts, stops, strict=True):
+            block, offset = divmod(int(slots[a]), bs)
+            self.write_row(block, offset, block_keys.get(block), b - a)
+
+    def write_row(self, block_id: int, offset: int, key: BlockHash | None, length: int = 1) -> None:
+        """``length`` rows written at ``offset`` of one block (a decode step's one row), with
+        the block's key or None (`write`'s rule)."""
+        self.filled[block_id] = count = fill_after(self.filled[block_id], offset, length)
+        self.stamps[block_id] = key if key is not None and count == self.block_size else None
 
     def stamp_blocks(self, block_ids: Sequence[int], block_keys: Sequence[BlockHash]) -> None:
         """Whole blocks written at once (loaded from a tier), each stamped with its key."""
@@ -144,11 +139,10 @@ class WorkerTable:
 
 @dataclass(slots=True)
 class _Allocation:
-    """Slots vLLM gave a request in the step being scheduled."""
+    """Slots vLLM gave a request in the step being scheduled: its part of the step (without
+    a hit, which the plan adds), and the keys of the full blocks they touch."""
 
-    start: int
-    num_new: int
-    block_ids: tuple[int, ...]
+    planned: PlannedRequest
     block_keys: dict[int, BlockHash]
 
 
@@ -273,17 +267,29 @@ class StoreMirror:
     def on_allocated(self, request_id: str, state: RequestState, start: int, num_new: int) -> None:
         """The request was given slots for its tokens ``start .. start + num_new - 1``,
         which the step computes (``state``: the request's, its block table updated)."""
-        block_keys: dict[int, BlockHash] = {}
-        slots = state.slots(start, num_new, self._block_size, block_keys, "allocate_slots")
-        self.table.write(slots, block_keys)
-        block_ids = block_ids_of(slots, self._block_size)
+        size = self._block_size
         prior = self._allocated.get(request_id)
+        if num_new == 1 and prior is None:
+            found = state.token_block(start, size)
+            if found is not None:
+                block_id, key = found
+                self.table.write_row(block_id, start % size, key)
+                planned = PlannedRequest(request_id, start, 1, (block_id,))
+                self._allocated[request_id] = _Allocation(
+                    planned, {} if key is None else {block_id: key}
+                )
+                return
+        block_keys: dict[int, BlockHash] = {}
+        slots = state.slots(start, num_new, size, block_keys, "allocate_slots")
+        self.table.write(slots, block_keys)
+        block_ids = block_ids_of(slots, size)
         if prior is not None:
             # NOTE: two allocations in one step cannot both be the step's
             # rows: start -1 never matches, so both are undone at planning.
-            block_ids = prior.block_ids + block_ids
+            block_ids = prior.planned.block_ids + block_ids
             start = -1
-        self._allocated[request_id] = _Allocation(start, len(slots), block_ids, block_keys)
+        planned = PlannedRequest(request_id, start, num_new, block_ids)
+        self._allocated[request_id] = _Allocation(planned, block_keys)
 
     def on_cleared(self, block_id: int | None) -> None:
         """vLLM handed ``block_id`` out again or dropped its key (None: every block)."""
@@ -328,19 +334,26 @@ class StoreMirror:
         block_keys: dict[int, BlockHash] = {}
         undone: dict[int, None] = {}
         size = self._block_size
+        allocated, external_hits = self._allocated, self._external_hits
         for req_id, start, num_new in scheduled:
-            allocation = self._allocated.pop(req_id, None)
-            external = self._external_hits.pop(req_id, None)
-            if allocation is None or allocation.start != start or allocation.num_new != num_new:
+            allocation = allocated.pop(req_id, None)
+            external = external_hits.pop(req_id, None) if external_hits else None
+            if (
+                allocation is None
+                or allocation.planned.start != start
+                or allocation.planned.num_new != num_new
+            ):
                 if allocation is not None:
-                    undone.update(dict.fromkeys(allocation.block_ids))
+                    undone.update(dict.fromkeys(allocation.planned.block_ids))
                 requests.append(PlannedRequest(req_id, start, num_new))
                 continue
-            block_keys.update(allocation.block_keys)
+            planned = allocation.planned
+            if allocation.block_keys:
+                block_keys.update(allocation.block_keys)
             if start % size:
                 # NOTE: no hit: one is given in the step right after it, which
                 # starts a block (most decode steps start none).
-                requests.append(PlannedRequest(req_id, start, num_new, allocation.block_ids))
+                requests.append(planned)
                 continue
             hit_ids, hit_keys = self._manager.hit_blocks(req_id)
             if external is not None:
@@ -352,16 +365,11 @@ class StoreMirror:
                 hit_ids, hit_keys = (), ()
             requests.append(
                 PlannedRequest(
-                    req_id,
-                    start,
-                    num_new,
-                    allocation.block_ids,
-                    hit_ids[:num_hit],
-                    hit_keys[:num_hit],
+                    req_id, start, num_new, planned.block_ids, hit_ids[:num_hit], hit_keys[:num_hit]
                 )
             )
-        for allocation in self._allocated.values():
-            undone.update(dict.fromkeys(allocation.block_ids))
+        for allocation in allocated.values():
+            undone.update(dict.fromkeys(allocation.planned.block_ids))
         loads = list(self._loaded.values())
         self._loading.update(self._loaded)
         if undone:
