@@ -833,7 +833,7 @@ def test_a_decode_token_given_slots_twice_in_one_step_stamps_nothing() -> None:
     request = h.request("a", image_prompt(), [image_feature(RED_HEX, 16, 32)])
     assert h.admit(request) == 0
     h.step([(request, request.num_tokens)])
-    # 56 prompt tokens: block 4 holds 8; decode tokens fill it up to its last row.
+    # 56 prompt tokens: block 4 holds 8; seven decode tokens fill it but for its last row.
     for token_id in range(300, 307):
         request.append_output_token_ids(token_id)
         assert h.wrapper.allocate_slots(request, 1) is not None
