@@ -738,33 +738,34 @@ class LiveStore:
             )
         blocks = hit_rows.view(-1, bs, hidden)
         scored: list[ScoredPrompt] = []
+        dtype, device = self.store.entries[HIDDEN_STATES].dtype, self.store.device
         for item, rows, verified, prompt, scores in needs:
-            if verified and _alone(item, prompt, scores, uses):
-                assert prompt is not None
-                num_hit = len(item.hit_block_ids) * bs
-                entry = self.store.entries[HIDDEN_STATES]
-                whole = torch.empty(
-                    (num_hit + len(rows), hidden), dtype=entry.dtype, device=self.store.device
-                )
-                self.store.read_blocks(
-                    HIDDEN_STATES, item.hit_block_ids, item.hit_block_keys, out=whole[:num_hit]
-                )
-                whole[num_hit:].copy_(rows)
-                self._add(item.req_id, prompt, 0, whole)
-                continue
-            ids = tuple(index[block_id] for block_id in item.hit_block_ids) if verified else None
+            alone = verified and _alone(item, prompt, scores, uses)
+            ids = (
+                tuple(index[block_id] for block_id in item.hit_block_ids)
+                if verified and not alone
+                else None
+            )
             if prompt is not None:
-                if ids is None:
+                if not verified:
                     self._finish(item.req_id, None)
                 else:
                     # The hit's blocks, then the step's rows, in one tensor beside the
                     # store's rows (the step's may be on the model's device).
-                    num_hit = len(ids) * bs
-                    whole = hit_rows.new_empty((num_hit + len(rows), hidden))
-                    first = ids[0]
-                    if ids == tuple(range(first, first + len(ids))):
+                    num_hit = len(item.hit_block_ids) * bs
+                    whole = torch.empty((num_hit + len(rows), hidden), dtype=dtype, device=device)
+                    if ids is None:
+                        # Blocks no other request needs: read straight into the result.
+                        self.store.read_blocks(
+                            HIDDEN_STATES,
+                            item.hit_block_ids,
+                            item.hit_block_keys,
+                            out=whole[:num_hit],
+                        )
+                    elif ids == tuple(range(ids[0], ids[0] + len(ids))):
                         # The request's blocks were read next to each other: one slice.
-                        whole[:num_hit].copy_(hit_rows[first * bs : first * bs + num_hit])
+                        first = ids[0] * bs
+                        whole[:num_hit].copy_(hit_rows[first : first + num_hit])
                     else:
                         torch.index_select(
                             blocks,

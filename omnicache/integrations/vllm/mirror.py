@@ -269,25 +269,23 @@ class StoreMirror:
         which the step computes (``state``: the request's, its block table updated)."""
         size = self._block_size
         prior = self._allocated.get(request_id)
-        if num_new == 1 and prior is None:
-            found = state.token_block(start, size)
-            if found is not None:
-                block_id, key = found
-                self.table.write_row(block_id, start % size, key)
-                planned = PlannedRequest(request_id, start, 1, (block_id,))
-                self._allocated[request_id] = _Allocation(
-                    planned, {} if key is None else {block_id: key}
-                )
-                return
-        block_keys: dict[int, BlockHash] = {}
-        slots = state.slots(start, num_new, size, block_keys, "allocate_slots")
-        self.table.write(slots, block_keys)
-        block_ids = block_ids_of(slots, size)
-        if prior is not None:
-            # NOTE: two allocations in one step cannot both be the step's
-            # rows: start -1 never matches, so both are undone at planning.
-            block_ids = prior.planned.block_ids + block_ids
-            start = -1
+        found = state.token_block(start, size) if num_new == 1 and prior is None else None
+        if found is not None:
+            # A decode token, the common case: its block, and one row of the table.
+            block_id, key = found
+            self.table.write_row(block_id, start % size, key)
+            block_ids: tuple[int, ...] = (block_id,)
+            block_keys: dict[int, BlockHash] = {} if key is None else {block_id: key}
+        else:
+            block_keys = {}
+            slots = state.slots(start, num_new, size, block_keys, "allocate_slots")
+            self.table.write(slots, block_keys)
+            block_ids = block_ids_of(slots, size)
+            if prior is not None:
+                # NOTE: two allocations in one step cannot both be the step's
+                # rows: start -1 never matches, so both are undone at planning.
+                block_ids = prior.planned.block_ids + block_ids
+                start = -1
         planned = PlannedRequest(request_id, start, num_new, block_ids)
         self._allocated[request_id] = _Allocation(planned, block_keys)
 
