@@ -9,7 +9,9 @@ prefills cut into chunks of a few blocks, a KV cache too small for its batch
 ``k`` from 0 to the whole vocabulary, and ``logprobs_mode="raw_logits"``.
 The oracle is the same model with prefix caching off, which computes every
 position. Then a hostile turn: rows that vanish from the worker behind the
-scheduler's back are never served as scores, and bad requests change nothing.
+scheduler's back are never served as scores, bad requests change nothing,
+and rows still follow the batch order when the model runner builds its
+request ids anew each step.
 
 The store and tier tests (``test_vllm_live_store``, ``test_vllm_live_tier``)
 score multimodal prompts in vLLM's multiprocess mode, under evictions and
@@ -273,6 +275,58 @@ def test_bad_scoring_requests_change_nothing(store_llm: Any) -> None:
     after = stats_of(store_llm)
     assert after["num_scored_requests"] == after["num_score_failures"] == 0
     assert after["num_hit_requests"] == before["num_hit_requests"]
+
+
+def test_rows_follow_the_batch_order_when_vllm_builds_its_request_ids_anew(
+    store_llm: Any,
+) -> None:
+    """The capture reads the input batch's own list of request ids when ``req_ids`` is
+    that list (vLLM 0.32's property), and otherwise calls the property each step."""
+    import torch
+    from vllm import SamplingParams
+
+    from omnicache.integrations.vllm.results import take_prompt_hidden_states
+
+    def serve_four(salt: str) -> tuple[list[list[int]], list[Any]]:
+        # Every position's rows, gathered step by step; the requests finish at
+        # different steps, so vLLM condenses the batch and its order changes.
+        prompts = [{"prompt_token_ids": question(i) * 2, "cache_salt": salt} for i in range(4)]
+        params = [
+            SamplingParams(
+                max_tokens=n, temperature=0, extra_args={"omnicache_all_hidden_states": True}
+            )
+            for n in (3, 9, 5, 12)
+        ]
+        outputs = store_llm.generate(prompts, params, use_tqdm=False)
+        tokens = [list(output.outputs[0].token_ids) for output in outputs]
+        return tokens, take_prompt_hidden_states(store_llm, outputs)
+
+    def rebuild_request_ids(worker: Any) -> bool:
+        runner = worker.model_runner
+        batch = runner.input_batch
+        direct = bool(runner._model_forward.direct)
+
+        class Rebuilt(type(batch)):  # type: ignore[misc]
+            @property
+            def req_ids(self) -> list[str]:
+                return list(self._req_ids)
+
+        batch.__class__ = Rebuilt
+        # As when vLLM hands the runner a new input batch: looked at again.
+        runner._model_forward.batch = None
+        return direct
+
+    tokens, states = serve_four("direct")
+    (was_direct,) = store_llm.collective_rpc(rebuild_request_ids)
+    assert was_direct is True
+    rebuilt_tokens, rebuilt_states = serve_four("rebuilt")
+    (direct,) = store_llm.collective_rpc(lambda worker: worker.model_runner._model_forward.direct)
+    assert direct is False
+    assert rebuilt_tokens == tokens
+    for n, got, want in zip((3, 9, 5, 12), rebuilt_states, states, strict=True):
+        assert got is not None and want is not None
+        assert tuple(got.shape) == tuple(want.shape) == (68 + n - 1, 128)
+        assert torch.equal(got, want)
 
 
 # -- per-token embeddings ---------------------------------------------------------------
