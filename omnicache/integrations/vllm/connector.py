@@ -201,12 +201,16 @@ class OmniStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 "side (worker_cls must be omnicache's worker)"
             )
         plan = metadata.plan
+        if not plan.loads:
+            # NOTE: a step without loads is begun where its rows are applied,
+            # as every step is (`WorkerSide.start_step`): nothing to do here,
+            # in most steps.
+            return
         errors = self._worker_side.start_step(plan)
         if errors:
             self._load_errors.update(errors)
-        if plan.loads:
-            # NOTE: every load runs to its end in the step that orders it.
-            self._loads_done.update(order.req_id for order in plan.loads)
+        # NOTE: every load runs to its end in the step that orders it.
+        self._loads_done.update(order.req_id for order in plan.loads)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if not self._loads_done:

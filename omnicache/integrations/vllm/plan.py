@@ -52,6 +52,7 @@ EXTERNAL_TOKENS_PARAM = "omnicache_external_tokens"
 """The ``kv_transfer_params`` key of the tokens a request's first admission loaded from the tier."""
 
 _LOG = logging.getLogger(__name__)
+_NO_REQUESTS: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True)
@@ -199,6 +200,8 @@ def prompt_requests(scheduler_output: Any) -> tuple[dict[str, int], frozenset[st
         those that ask for every position's (`StepPlan.sequence_requests`).
     """
     prompts: dict[str, int] = {}
+    if not scheduler_output.scheduled_new_reqs:
+        return prompts, _NO_REQUESTS
     sequences: set[str] = set()
     for new in scheduler_output.scheduled_new_reqs:
         kind = asks(new.req_id, new.sampling_params)
@@ -257,12 +260,13 @@ class WorkerSide(Protocol):
     def start_step(self, plan: StepPlan) -> set[int]:
         """Clears stamps, then runs the plan's loads; the blocks that did not load.
 
-        Called by vLLM once a step: before its forward pass when the step has
-        a synchronous load, otherwise after it, once the step's rows are
-        applied (omnicache's loads are asynchronous). Either way the stamps
-        are cleared first (by whichever of the two begins the step), and
-        the loads fill blocks of waiting requests, which the step's rows
-        never touch.
+        Called by the connector in a step with loads, where vLLM starts
+        them: before its forward pass when the step has a synchronous load,
+        otherwise after it, once the step's rows are applied (omnicache's
+        loads are asynchronous). Either way the stamps are cleared first (by
+        whichever of the two begins the step; applying the step's rows
+        begins every step, one without loads too), and the loads fill blocks
+        of waiting requests, which the step's rows never touch.
         """
         ...
 
