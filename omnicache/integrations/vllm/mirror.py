@@ -184,10 +184,11 @@ class StoreMirror:
     def step_plan(self, scheduler_output: Any) -> StepPlan:
         """The plan of the step ``scheduler_output`` describes (see `plan`)."""
         prompts, sequences = prompt_requests(scheduler_output)
+        finished = scheduler_output.finished_req_ids
         return self.plan(
             scheduled(scheduler_output),
             prompts,
-            sorted(scheduler_output.finished_req_ids),
+            sorted(finished) if finished else (),
             sequence_requests=sequences,
         )
 
@@ -366,26 +367,31 @@ class StoreMirror:
                     req_id, start, num_new, planned.block_ids, hit_ids[:num_hit], hit_keys[:num_hit]
                 )
             )
-        for allocation in allocated.values():
-            undone.update(dict.fromkeys(allocation.planned.block_ids))
-        loads = list(self._loaded.values())
-        self._loading.update(self._loaded)
+        if allocated:
+            for allocation in allocated.values():
+                undone.update(dict.fromkeys(allocation.planned.block_ids))
+            allocated.clear()
         if undone:
             self.table.clear(undone)
+        # NOTE: each part built only when the step has one: most steps have
+        # none, and the scheduler plans every step.
+        loaded, cleared = self._loaded, self._cleared
         plan = StepPlan(
             caching=True,
             requests=tuple(requests),
             block_keys=block_keys,
-            prompt_requests=dict(prompt_requests),
+            prompt_requests=dict(prompt_requests) if prompt_requests else {},
             sequence_requests=frozenset(sequence_requests),
-            cleared_block_ids=tuple(self._cleared),
+            cleared_block_ids=tuple(cleared) if cleared else (),
             reset=self._reset,
-            invalidated_block_ids=tuple(undone),
+            invalidated_block_ids=tuple(undone) if undone else (),
             finished_req_ids=tuple(finished_req_ids),
-            loads=tuple(loads),
+            loads=tuple(loaded.values()) if loaded else (),
         )
-        self._allocated.clear()
-        self._loaded.clear()
-        self._cleared.clear()
+        if loaded:
+            self._loading.update(loaded)
+            loaded.clear()
+        if cleared:
+            cleared.clear()
         self._reset = False
         return plan
