@@ -23,8 +23,9 @@ by the worker), and what it knows itself is the configuration:
   the key that takes the result (`_result_key`), with the scheduler side's
   own parameters (``omnicache_external_tokens`` with a tier);
 - worker side: ``register_kv_caches`` keeps vLLM's KV caches for the worker;
-  ``start_load_kv`` hands the step's plan to the worker side, which clears
-  stamps and loads the tier's blocks; ``get_finished`` reports every load of
+  ``start_load_kv`` hands a step's plan with loads to the worker side, which
+  clears stamps and loads the tier's blocks (applying the step's rows
+  begins every step, one without loads too); ``get_finished`` reports every load of
   the step done and ``get_block_ids_with_load_errors`` the blocks that did
   not load (vLLM recomputes them).
 
