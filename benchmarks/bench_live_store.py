@@ -33,8 +33,10 @@ store adds a step, timed or not: vLLM's own work for a KV connector,
 omnicache's that no timer here counts, and the timers; a noisy difference of
 two medians); and the step time over vLLM's (engines differ by 5-40% from
 one start to the next here: the timed store work is the measure, not this
-ratio). The timers' own cost, about 0.2 us a timed call warm, is counted in
-the store's. Medians over ``--repeats`` passes; the modes take turns, each
+ratio). The timers' own cost is counted in the store's: about 0.2 us a
+timed call warm, but about 1 us in the engine, where each call comes cold
+(a hook that returns at once times at 0.75-1.3 us; a decode step makes
+about 12 timed calls). Medians over ``--repeats`` passes; the modes take turns, each
 pass on a fresh engine after a warm-up workload of its own.
 
 Run with the live engine's environment (``./dev live`` prepares ``.venv-live``):
