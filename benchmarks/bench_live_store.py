@@ -36,8 +36,8 @@ one start to the next here: the timed store work is the measure, not this
 ratio). The timers' own cost is counted in the store's: about 0.2 us a
 timed call warm, but about 1 us in the engine, where each call comes cold
 (a hook that returns at once times at 0.75-1.3 us; a decode step makes
-about 12 timed calls). Medians over ``--repeats`` passes; the modes take turns, each
-pass on a fresh engine after a warm-up workload of its own.
+about 12 timed calls). Medians over ``--repeats`` passes; the modes take
+turns, each pass on a fresh engine after a warm-up workload of its own.
 
 Run with the live engine's environment (``./dev live`` prepares ``.venv-live``):
 

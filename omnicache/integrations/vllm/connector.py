@@ -25,9 +25,9 @@ by the worker), and what it knows itself is the configuration:
 - worker side: ``register_kv_caches`` keeps vLLM's KV caches for the worker;
   ``start_load_kv`` hands a step's plan with loads to the worker side, which
   clears stamps and loads the tier's blocks (applying the step's rows
-  begins every step, one without loads too); ``get_finished`` reports every load of
-  the step done and ``get_block_ids_with_load_errors`` the blocks that did
-  not load (vLLM recomputes them).
+  begins every step, one without loads too); ``get_finished`` reports every
+  load of the step done and ``get_block_ids_with_load_errors`` the blocks
+  that did not load (vLLM recomputes them).
 
 Configuration: ``kv_transfer_config={"kv_connector": "OmniStoreConnector",
 "kv_connector_module_path": "omnicache.integrations.vllm.connector",
