@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import cast
 
@@ -13,6 +13,7 @@ import torch
 from omnicache.block_hash import BlockHash
 from omnicache.integrations.vllm.live_store import LiveStore, ScoredPrompt
 from omnicache.integrations.vllm.plan import (
+    LoadOrder,
     PlannedRequest,
     StepPlan,
     block_ids_of,
@@ -485,14 +486,29 @@ def test_a_follower_keeps_the_first_ranks_stamps_without_its_rows_and_scores_its
         LiveStore(follower_store(8, BS), max_results=8, keeps_results=False, copy_steps=copy_steps)
 
 
-def decode_step(tokens: dict[str, tuple[int, int]], keys: dict[int, BlockHash]) -> StepPlan:
-    """A decode step: per request, (position, block) of its one new token."""
-    requests = tuple(PlannedRequest(r, pos, 1, (block,)) for r, (pos, block) in tokens.items())
-    return StepPlan(caching=True, requests=requests, block_keys=keys)
+DecodeStep = Callable[[dict[str, tuple[int, int]], dict[int, BlockHash]], StepPlan]
+
+
+@pytest.fixture(params=[False, True], ids=["slots-planned", "by-plan"])
+def decode_step(request: pytest.FixtureRequest) -> DecodeStep:
+    """A decode step's plan: per request, (position, block) of its one new token.
+
+    Marked as a steady decode step's (`StepPlan.decode`, as the scheduler's
+    mirror marks them: staged by its plan alone, its slots found later) or
+    not (its slots found when it is staged): the store ends the same.
+    """
+    marked = cast(bool, request.param)
+
+    def plan(tokens: dict[str, tuple[int, int]], keys: dict[int, BlockHash]) -> StepPlan:
+        requests = tuple(PlannedRequest(r, pos, 1, (block,)) for r, (pos, block) in tokens.items())
+        return StepPlan(caching=True, requests=requests, block_keys=keys, decode=marked)
+
+    return plan
 
 
 def test_decode_steps_write_their_rows_before_anything_reads_the_store(
     copy_steps: bool | None,
+    decode_step: DecodeStep,
 ) -> None:
     from omnicache.integrations.vllm.staged_steps import MAX_DEFERRED_STEPS
 
@@ -541,6 +557,7 @@ def test_decode_steps_write_their_rows_before_anything_reads_the_store(
 
 def test_a_decode_step_with_rows_of_other_requests_is_refused_after_the_staged_rows(
     copy_steps: bool | None,
+    decode_step: DecodeStep,
 ) -> None:
     live = new_live(copy_steps=copy_steps)
     # "a" decodes positions 4..7 into block 2, completing it.
@@ -548,16 +565,71 @@ def test_a_decode_step_with_rows_of_other_requests_is_refused_after_the_staged_r
         plan = decode_step({"a": (position, 2)}, {2: K[2]} if position == 7 else {})
         assert live.apply(plan, ["a"], rows(position, 1), slots_of(plan, ["a"])) == {}
     plan = decode_step({"a": (8, 3)}, {})
-    with pytest.raises(RuntimeError, match=r"expected rows of the planned requests \['a'\]"):
-        live.apply(plan, ["b"], rows(8, 1), slots_of(plan, ["a"]))
+    refused = r"expected rows of the planned requests \['a'\], found rows of \['b'\]"
+    if not plan.decode:
+        with pytest.raises(RuntimeError, match=refused):
+            live.apply(plan, ["b"], rows(8, 1), slots_of(plan, ["a"]))
+    else:
+        # Staged by its plan alone: refused once the staged steps are resolved
+        # (here by the next step that is not a decode step), and the steps
+        # after it are dropped with it, unwritten.
+        assert live.apply(plan, ["b"], rows(8, 1), slots_of(plan, ["a"])) == {}
+        after = decode_step({"a": (9, 3)}, {})
+        assert live.apply(after, ["a"], rows(9, 1), slots_of(after, ["a"])) == {}
+        with pytest.raises(RuntimeError, match=refused + r" \(a decode step staged by its plan\)"):
+            live.apply(StepPlan(caching=True, cleared_block_ids=(6,)))
+        assert live.store.filled_of(HIDDEN_STATES, 3) == 0
+        assert live.stats.num_decode_steps == 4
+        # The block the written steps stamped is reported (to the tier) with the next.
+        assert live.flush() == {2: K[2]}
     # The staged steps were written first: block 2 holds a's rows, stamped.
     assert live.store.stamp_of(HIDDEN_STATES, 2) == K[2]
     assert torch.equal(live.store.read_blocks(HIDDEN_STATES, [2], [K[2]]), rows(4, 4))
     assert live.stats.num_rows_written == 4
 
 
+def test_a_decode_step_is_marked_only_when_it_clears_resets_invalidates_loads_and_asks_nothing(
+    copy_steps: bool | None,
+) -> None:
+    step = (PlannedRequest("a", 4, 1, (1,)),)
+    for name, value in (
+        ("caching", False),
+        ("requests", ()),
+        ("prompt_requests", {"a": 6}),
+        ("cleared_block_ids", (3,)),
+        ("reset", True),
+        ("invalidated_block_ids", (3,)),
+        ("loads", (LoadOrder("w", (3,), (K[3],)),)),
+    ):
+        fields: dict[str, object] = {"caching": True, "requests": step, name: value}
+        with pytest.raises(ValueError, match=r"^decode: expected a cached step of requests that"):
+            StepPlan(decode=True, **fields)  # type: ignore[arg-type]
+    # A request that is not one decode token in one block without a hit: refused
+    # when the steps are resolved, after the steps staged before it are written.
+    live = new_live(copy_steps=copy_steps)
+    first = StepPlan(caching=True, requests=step, decode=True)
+    assert live.apply(first, ["a"], rows(4, 1), slots_of(first, ["a"])) == {}
+    with_hit = PlannedRequest("a", 4, 1, (2,), (1,), (K[1],))
+    for bad, refused in (
+        (PlannedRequest("a", 6, 2, (1,)), r"2 new tokens in blocks \(1,\) and 0 hit"),
+        (PlannedRequest("a", 6, 1, (1, 2)), r"1 new tokens in blocks \(1, 2\) and 0 hit"),
+        (with_hit, r"1 new tokens in blocks \(2,\) and 1 hit"),
+    ):
+        plan = StepPlan(caching=True, requests=(bad,), decode=True)
+        assert live.apply(plan, ["a"], rows(5, bad.num_new), torch.tensor([5] * bad.num_new)) == {}
+        with pytest.raises(
+            RuntimeError,
+            match=r"^decode: expected one new token in one block and no hit for each request of "
+            r"a decode step, found request 'a' with " + refused,
+        ):
+            live.flush()
+        assert live.store.filled_of(HIDDEN_STATES, 1) == 1
+        assert live.stats.num_rows_written == 1 and live.stats.num_decode_steps == 1
+
+
 def test_deferred_rows_at_slots_other_than_planned_stamp_nothing_of_their_step(
     copy_steps: bool | None,
+    decode_step: DecodeStep,
 ) -> None:
     live = new_live(copy_steps=copy_steps)
     good = decode_step({"a": (3, 1)}, {1: K[1]})
@@ -579,6 +651,7 @@ def test_deferred_rows_at_slots_other_than_planned_stamp_nothing_of_their_step(
 
 def test_a_decode_step_that_clears_blocks_writes_the_staged_rows_only_if_it_clears_theirs(
     copy_steps: bool | None,
+    decode_step: DecodeStep,
 ) -> None:
     live = new_live(copy_steps=copy_steps, num_blocks=64)
     live.store.write_blocks(HIDDEN_STATES, rows(0, BS), [9], block_keys=[K[5]])
@@ -586,14 +659,14 @@ def test_a_decode_step_that_clears_blocks_writes_the_staged_rows_only_if_it_clea
     first = decode_step({"a": (0, 2)}, {})
     live.apply(first, ["a"], rows(1, 1), slots_of(first, ["a"]))
     # Block 9 (old, stamped) handed out again: its stamp goes, "a"'s row stays staged.
-    clears = replace(decode_step({"a": (1, 2)}, {}), cleared_block_ids=(9,))
+    clears = replace(decode_step({"a": (1, 2)}, {}), cleared_block_ids=(9,), decode=False)
     live.apply(clears, ["a"], rows(2, 1), slots_of(clears, ["a"]))
     assert live.store.stamp_of(HIDDEN_STATES, 9) is None
     assert live.store.stamp_of(HIDDEN_STATES, 10) == K[6]
     assert live.stats.num_rows_written == 0 and live.store.filled_of(HIDDEN_STATES, 2) == 0
     # Block 2, holding the staged rows, handed out again (its request preempted):
     # they are written first, then its stamp and rows cleared, as step by step.
-    again = replace(decode_step({"b": (0, 10)}, {}), cleared_block_ids=(2, 10))
+    again = replace(decode_step({"b": (0, 10)}, {}), cleared_block_ids=(2, 10), decode=False)
     live.apply(again, ["b"], rows(3, 1), slots_of(again, ["b"]))
     assert live.stats.num_rows_written == 2
     assert live.store.filled_of(HIDDEN_STATES, 2) == 0
@@ -605,6 +678,7 @@ def test_a_decode_step_that_clears_blocks_writes_the_staged_rows_only_if_it_clea
 
 def test_staged_steps_of_changing_batch_and_padding_are_written_as_computed_on_every_rank(
     copy_steps: bool | None,
+    decode_step: DecodeStep,
 ) -> None:
     from omnicache.integrations.vllm.live_store import follower_store
 
@@ -643,6 +717,7 @@ def test_staged_steps_of_changing_batch_and_padding_are_written_as_computed_on_e
 
 def test_a_staged_block_a_later_step_rewrites_at_unplanned_slots_is_not_reported_stamped(
     copy_steps: bool | None,
+    decode_step: DecodeStep,
 ) -> None:
     live = new_live(copy_steps=copy_steps)
     for position in range(BS):
@@ -660,6 +735,7 @@ def test_a_staged_block_a_later_step_rewrites_at_unplanned_slots_is_not_reported
 
 def test_staged_rows_are_written_once_they_take_max_staged_bytes_on_every_rank(
     copy_steps: bool | None,
+    decode_step: DecodeStep,
 ) -> None:
     from omnicache.integrations.vllm.live_store import follower_store
 
@@ -697,6 +773,7 @@ def test_staged_rows_are_written_once_they_take_max_staged_bytes_on_every_rank(
 
 def test_start_forward_writes_before_the_forward_pass_the_staged_rows_apply_would_write(
     copy_steps: bool | None,
+    decode_step: DecodeStep,
 ) -> None:
     from omnicache.integrations.vllm.staged_steps import MAX_DEFERRED_STEPS
 
@@ -763,6 +840,7 @@ def test_start_forward_writes_before_the_forward_pass_the_staged_rows_apply_woul
 
 def test_a_staged_step_at_a_slot_outside_the_store_is_refused_before_any_write(
     copy_steps: bool | None,
+    decode_step: DecodeStep,
 ) -> None:
     live = new_live(copy_steps=copy_steps)
     for position in range(2):
@@ -850,6 +928,7 @@ def test_a_staged_prefill_step_at_other_slots_than_planned_stamps_none_of_its_bl
 
 def test_steps_that_gather_finish_or_hit_other_blocks_wait_alike_on_every_rank(
     copy_steps: bool | None,
+    decode_step: DecodeStep,
 ) -> None:
     from omnicache.integrations.vllm.live_store import FOLLOWER_DTYPE, follower_store
 
@@ -962,6 +1041,7 @@ def test_on_the_cpu_a_step_of_more_than_max_host_step_bytes_is_written_at_once(
 
 def test_a_prefill_step_and_the_decode_steps_after_it_are_written_apart(
     copy_steps: bool | None,
+    decode_step: DecodeStep,
 ) -> None:
     live = new_live(copy_steps=copy_steps, num_blocks=16)
     prefill = StepPlan(
@@ -989,6 +1069,7 @@ def test_a_prefill_step_and_the_decode_steps_after_it_are_written_apart(
 
 def test_staged_steps_of_more_runs_than_max_flush_writes_are_written_in_one(
     copy_steps: bool | None,
+    decode_step: DecodeStep,
 ) -> None:
     from omnicache.integrations.vllm.staged_steps import MAX_FLUSH_WRITES
 
@@ -1013,6 +1094,7 @@ def test_staged_steps_of_more_runs_than_max_flush_writes_are_written_in_one(
 
 def test_staged_runs_that_plan_a_slot_twice_are_refused_before_any_write(
     copy_steps: bool | None,
+    decode_step: DecodeStep,
 ) -> None:
     live = new_live(copy_steps=copy_steps)
     # "a" prefills block 1, then two decode steps planned at its last two slots again.
@@ -1027,9 +1109,9 @@ def test_staged_runs_that_plan_a_slot_twice_are_refused_before_any_write(
     assert live.store.filled_of(HIDDEN_STATES, 1) == 0
 
 
-def test_on_the_cpu_a_model_that_reuses_its_output_is_refused_before_a_staged_row_is_written() -> (
-    None
-):
+def test_on_the_cpu_a_model_that_reuses_its_output_is_refused_before_a_staged_row_is_written(
+    decode_step: DecodeStep,
+) -> None:
     # The model writes every step's rows into one buffer (as a replayed graph does).
     buffer = torch.zeros(2, HIDDEN)
     plans = [

@@ -815,9 +815,12 @@ def test_chunked_prefill_and_decode_stamp_blocks_as_they_fill() -> None:
         request.append_output_token_ids(token_id)
         assert h.wrapper.allocate_slots(request, 1) is not None
         h.step([(request, 1)], flush=False)
-    # The decode steps' rows wait, staged, until something reads the store.
+    # The decode steps' rows wait, staged by their plans alone (the mirror
+    # marks each a steady decode step), until something reads the store.
     assert h.store.stamp_of("hidden_states", 4) is None
+    assert h.live.stats.num_decode_steps == 0
     assert h.stamps([4]) == ([request.block_hashes[3]],) * 2
+    assert h.live.stats.num_decode_steps == 8
     h.finish(request)
     follow_up = h.request(
         "b", image_prompt() + list(range(300, 308)) + [9], [image_feature(RED_HEX, 16, 32)]
@@ -825,6 +828,7 @@ def test_chunked_prefill_and_decode_stamp_blocks_as_they_fill() -> None:
     num_hit, block_ids, rows = h.run(follow_up)
     assert (num_hit, block_ids[:4]) == (64, [1, 2, 3, 4])
     assert_rows_exact(rows, follow_up)
+    assert h.live.stats.num_decode_steps == 8
 
 
 @needs_vllm
@@ -847,6 +851,8 @@ def test_a_decode_token_given_slots_twice_in_one_step_stamps_nothing() -> None:
     h.step([(request, 1)])
     assert h.stamps([3, 4]) == ([request.block_hashes[2], None],) * 2
     assert h.live.stats.num_slot_mismatches == 1
+    # The seven steps before it were steady decode steps; it is not one.
+    assert h.live.stats.num_decode_steps == 7
     # A request with the same tokens hits the first three blocks only.
     h.finish(request)
     follow_up = h.request(

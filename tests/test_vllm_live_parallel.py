@@ -187,8 +187,16 @@ def test_prompt_hidden_states_at_tp2_equal_an_engine_without_caching(report: Any
     # first rank gathered results, and every one was taken.
     for run, requests in ((a, 4), (b, 3)):
         first, second = run["stats"]
-        for field in ("num_hit_blocks", "num_hit_requests", "num_rows_written", "num_steps"):
+        for field in (
+            "num_hit_blocks",
+            "num_hit_requests",
+            "num_rows_written",
+            "num_steps",
+            "num_decode_steps",
+        ):
             assert first[field] == second[field], field
+        # Both ranks staged the same steady decode steps by their plans alone.
+        assert first["num_decode_steps"] > 0
         assert first["num_hit_blocks"] == sum(run["hits"]) // live.BLOCK_SIZE
         assert first["num_stale_hit_blocks"] == second["num_stale_hit_blocks"] == 0
         assert first["num_slot_mismatches"] == second["num_slot_mismatches"] == 0

@@ -33,9 +33,11 @@ can hit it, and its rows exist once the step's rows are written.
 
 A step's rows may wait to be written (`staged_steps`: which steps, what they
 keep, their write): those of a step that neither loads nor invalidates,
-whose hits are in no block a staged step or the step itself writes. The
-staged rows are written before anything that reads or clears their blocks,
-so whatever reads the store finds what writing each step would have left.
+whose hits are in no block a staged step or the step itself writes; a
+steady decode step's (`StepPlan.decode`) by its plan alone, its slots found
+later. The staged rows are written before anything that reads or clears
+their blocks, so whatever reads the store finds what writing each step
+would have left.
 
 Under tensor parallelism, ranks but the first keep a follower's store
 (`follower_store`): the same stamps, one byte a row.
@@ -100,6 +102,10 @@ class LiveStoreStats:
     num_stale_hit_blocks: int = 0
     # Steps whose slot mapping differed from the scheduler's plan.
     num_slot_mismatches: int = 0
+    # Steady decode steps staged by their plans alone (`StepPlan.decode`),
+    # counted once their slots are found (when the staged rows are written,
+    # or before a step that is not one).
+    num_decode_steps: int = 0
     num_prompt_results: int = 0
     num_prompt_failures: int = 0
     # Requests whose hit positions got their outputs from the store (prompt
@@ -271,7 +277,7 @@ class LiveStore:
         self._mark_rows = torch.zeros((0, 1), dtype=FOLLOWER_DTYPE)
         # Steps whose rows wait to be written (`_stage`). And the blocks a
         # write in `begin` stamped (saved to the tier by `apply`).
-        self._staged = Staged()
+        self._staged = Staged(store.block_size)
         self._flushed: dict[int, BlockHash] = {}
         # The model's bytes a row (`start_forward`), as the last staged step's.
         self._row_bytes = 0
@@ -305,7 +311,13 @@ class LiveStore:
         if self._begun is plan:
             return
         self._begun = plan
+        if plan.decode:
+            # NOTE: such a plan clears and asks for nothing, and its rows may
+            # wait (`StepPlan.decode`): nothing to write first.
+            return
         staged = self._staged
+        if staged.decode:
+            self._resolve()
         if staged.steps and (
             staged_slots(plan, None, self.store.block_size, staged.blocks) is None
             or staged.holds(plan.cleared_block_ids)
@@ -343,10 +355,12 @@ class LiveStore:
         staged steps, `begin` here and `apply` after both run `staged_slots`).
         """
         staged = self._staged
-        if staged.steps and self._begun is not plan:
-            nbytes = sum(item.num_new for item in plan.requests) * self._row_bytes
+        if (staged.steps or staged.decode) and self._begun is not plan:
+            requests = plan.requests
+            num = len(requests) if plan.decode else sum(item.num_new for item in requests)
+            nbytes = num * self._row_bytes
             if (
-                len(staged.steps) + 1 >= MAX_DEFERRED_STEPS
+                len(staged.steps) + len(staged.decode) + 1 >= MAX_DEFERRED_STEPS
                 or staged.nbytes + nbytes > self.max_staged_bytes
             ):
                 self._flushed.update(self._write_pending())
@@ -428,11 +442,19 @@ class LiveStore:
         store = self.store
         self._stats.num_steps += 1
         if hidden_states is not None and slot_mapping is not None:
-            staged = staged_slots(plan, batch_order, store.block_size, self._staged.blocks)
-            if staged is not None:
+            staged: tuple[list[int], list[int], bool] | None = None
+            if plan.decode and not self._prompts:
+                # NOTE: staged by its plan alone: its requests are read later,
+                # with the other staged steps' (`Staged.resolve`).
+                num = len(plan.requests)
+            else:
+                if self._staged.decode:
+                    self._resolve()
+                staged = staged_slots(plan, batch_order, store.block_size, self._staged.blocks)
+                num = -1 if staged is None else len(staged[0])
+            if num >= 0:
                 # NOTE: each tensor's shape read once: right after the forward
                 # pass, every call into torch is cold.
-                num = len(staged[0])
                 num_given, width = hidden_states.shape[0], hidden_states.shape[-1]
                 self._row_bytes = row_bytes = width * hidden_states.element_size()
                 nbytes = num * row_bytes
@@ -451,7 +473,7 @@ class LiveStore:
                         hidden_states if num_given == num else hidden_states[:num],
                         slot_mapping if num_slots == num else slot_mapping[:num],
                     )
-                    if staged[2] or self._prompts:
+                    if staged is not None and (staged[2] or self._prompts):
                         self._read(self._batch(plan, batch_order), hidden_states)
                     if plan.finished_req_ids:
                         self._finish_requests(plan.finished_req_ids)
@@ -460,7 +482,7 @@ class LiveStore:
             # NOTE: before `begin`, which may write the staged rows.
             self._staged.fresh_rows(hidden_states)
         self.begin(plan)
-        if self._staged.steps:
+        if self._staged.steps or self._staged.decode:
             # NOTE: rows of other requests than planned, without their slots, or
             # too many to wait: written (or refused) below, after the staged rows.
             self._flushed.update(self._write_pending())
@@ -560,7 +582,7 @@ class LiveStore:
     def _stage(
         self,
         plan: StepPlan,
-        planned: tuple[list[int], list[int], bool],
+        planned: tuple[list[int], list[int], bool] | None,
         nbytes: int,
         batch_order: Sequence[str],
         hidden_states: torch.Tensor,
@@ -568,7 +590,11 @@ class LiveStore:
     ) -> dict[int, BlockHash]:
         """The write of `apply` for a step whose rows may wait; the blocks stamped.
 
-        ``planned``: the rows' slots and blocks (`staged_steps.staged_slots`);
+        ``planned``: the rows' slots and blocks (`staged_steps.staged_slots`),
+        or None for a steady decode step, staged by its plan alone
+        (`StepPlan.decode`: its slots are found when the staged steps are
+        resolved, `staged_steps.Staged.resolve`, and the decode steps are
+        the last staged: a step staged with its slots resolves them first);
         ``nbytes``: the bytes of the model's rows of the step (on every rank,
         a follower's too, so that every rank writes at the same step);
         ``hidden_states`` and ``slot_mapping``: the step's, padding left out
@@ -599,29 +625,47 @@ class LiveStore:
                 rows = hidden_states
         # NOTE: `begin` of such a plan clears stamps (before its rows, as always;
         # writing the staged rows first if any is in a cleared block) and takes
-        # new prompts.
-        if plan.cleared_block_ids or plan.prompt_requests:
+        # new prompts (a decode step's plan does neither).
+        if planned is not None and (plan.cleared_block_ids or plan.prompt_requests):
             self.begin(plan)
         self._begun = plan
         stamped: dict[int, BlockHash] = {}
-        if staged.steps and staged.nbytes + nbytes > self.max_staged_bytes:
+        if staged.nbytes + nbytes > self.max_staged_bytes:
             stamped = self.flush()
         if kept:
             staged.kept.add(kept)
-        slots, blocks, _ = planned
         mapping = slot_mapping.clone() if copy else slot_mapping.tolist()
-        steps = staged.steps
-        steps.append((rows, mapping, slots, plan.block_keys, batch_order))
+        if planned is None:
+            staged.decode.append((rows, mapping, plan, batch_order))
+        else:
+            staged.steps.append((rows, mapping, planned[0], plan.block_keys, batch_order))
+            # NOTE: kept as steps come, not gathered when asked: with a large
+            # batch and small blocks, most decode steps clear blocks.
+            staged.blocks.update(planned[1])
         staged.nbytes += nbytes
-        # NOTE: kept as steps come, not gathered when asked: with a large batch
-        # and small blocks, most decode steps clear blocks.
-        staged.blocks.update(blocks)
-        if len(steps) >= MAX_DEFERRED_STEPS:
+        if len(staged.steps) + len(staged.decode) >= MAX_DEFERRED_STEPS:
             stamped.update(self.flush())
         return stamped
 
+    def _resolve(self) -> None:
+        """Resolves the decode steps staged by their plans (`staged_steps.Staged.resolve`).
+
+        Raises:
+            RuntimeError: a step's rows are not its plan's requests, or its
+                plan is not a steady decode step's: the staged steps before
+                it are written first (as when it was computed, with its
+                slots), it and those after it dropped, unwritten.
+        """
+        num, error = self._staged.resolve()
+        self._stats.num_decode_steps += num
+        if error is not None:
+            self._flushed.update(self._write_pending())
+            raise RuntimeError(f"{error} (a decode step staged by its plan)")
+
     def _write_pending(self) -> dict[int, BlockHash]:
         """Writes the staged steps' rows (`staged_steps.write_staged`); the blocks stamped."""
+        if self._staged.decode:
+            self._resolve()
         steps = self._staged.take()
         if not steps:
             return {}

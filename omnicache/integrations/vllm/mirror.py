@@ -38,7 +38,6 @@ did not load, and the request's first scheduled step carries its hit.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -137,15 +136,6 @@ class WorkerTable:
 # -- the mirror and the plan ----------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class _Allocation:
-    """Slots vLLM gave a request in the step being scheduled: its part of the step (without
-    a hit, which the plan adds), and the keys of the full blocks they touch."""
-
-    planned: PlannedRequest
-    block_keys: dict[int, BlockHash]
-
-
 class StoreMirror:
     """Mirrors the worker's stamps in ``manager``'s store and plans each step.
 
@@ -168,7 +158,11 @@ class StoreMirror:
         self._reader = reader
         self._block_size = manager.group.block_size
         self.table = WorkerTable(manager.block_pool.num_gpu_blocks, self._block_size)
-        self._allocated: dict[str, _Allocation] = {}
+        # Request id -> the slots vLLM gave it in the step being scheduled: its
+        # part of the step (without a hit, which the plan adds); and, for those
+        # whose slots touch full blocks, those blocks' keys.
+        self._allocated: dict[str, PlannedRequest] = {}
+        self._allocated_keys: dict[str, dict[int, BlockHash]] = {}
         # Request id -> its load, ordered in the step being scheduled.
         self._loaded: dict[str, LoadOrder] = {}
         # Loads ordered and not yet reported done by the worker.
@@ -275,20 +269,22 @@ class StoreMirror:
             # A decode token, the common case: its block, and one row of the table.
             block_id, key = found
             self.table.write_row(block_id, start % size, key)
-            block_ids: tuple[int, ...] = (block_id,)
-            block_keys: dict[int, BlockHash] = {} if key is None else {block_id: key}
-        else:
-            block_keys = {}
-            slots = state.slots(start, num_new, size, block_keys, "allocate_slots")
-            self.table.write(slots, block_keys)
-            block_ids = block_ids_of(slots, size)
-            if prior is not None:
-                # NOTE: two allocations in one step cannot both be the step's
-                # rows: start -1 never matches, so both are undone at planning.
-                block_ids = prior.planned.block_ids + block_ids
-                start = -1
-        planned = PlannedRequest(request_id, start, num_new, block_ids)
-        self._allocated[request_id] = _Allocation(planned, block_keys)
+            self._allocated[request_id] = PlannedRequest(request_id, start, 1, (block_id,))
+            if key is not None:
+                self._allocated_keys[request_id] = {block_id: key}
+            return
+        block_keys: dict[int, BlockHash] = {}
+        slots = state.slots(start, num_new, size, block_keys, "allocate_slots")
+        self.table.write(slots, block_keys)
+        block_ids = block_ids_of(slots, size)
+        if prior is not None:
+            # NOTE: two allocations in one step cannot both be the step's
+            # rows: start -1 never matches, so both are undone at planning.
+            block_ids = prior.block_ids + block_ids
+            start = -1
+        self._allocated[request_id] = PlannedRequest(request_id, start, num_new, block_ids)
+        if block_keys:
+            self._allocated_keys[request_id] = block_keys
 
     def on_cleared(self, block_id: int | None) -> None:
         """vLLM handed ``block_id`` out again or dropped its key (None: every block)."""
@@ -327,32 +323,37 @@ class StoreMirror:
 
         Allocations that do not match what was scheduled are undone: their
         blocks lose their stamps here, and in the worker's store after the
-        step's writes.
+        step's writes. A step of one decode token a request, each in its
+        allocated block and without a hit, that clears, loads and asks for
+        nothing is marked as one (`StepPlan.decode`): the worker stages it by
+        its plan alone.
         """
         requests: list[PlannedRequest] = []
         block_keys: dict[int, BlockHash] = {}
         undone: dict[int, None] = {}
         size = self._block_size
-        allocated, external_hits = self._allocated, self._external_hits
+        allocated, allocated_keys = self._allocated, self._allocated_keys
+        external_hits = self._external_hits
+        # Whether every request computes one token in its block, without a hit.
+        decode = True
         for req_id, start, num_new in scheduled:
-            allocation = allocated.pop(req_id, None)
+            planned = allocated.pop(req_id, None)
+            keys = allocated_keys.pop(req_id, None) if allocated_keys else None
             external = external_hits.pop(req_id, None) if external_hits else None
-            if (
-                allocation is None
-                or allocation.planned.start != start
-                or allocation.planned.num_new != num_new
-            ):
-                if allocation is not None:
-                    undone.update(dict.fromkeys(allocation.planned.block_ids))
+            if planned is None or planned.start != start or planned.num_new != num_new:
+                if planned is not None:
+                    undone.update(dict.fromkeys(planned.block_ids))
                 requests.append(PlannedRequest(req_id, start, num_new))
+                decode = False
                 continue
-            planned = allocation.planned
-            if allocation.block_keys:
-                block_keys.update(allocation.block_keys)
+            if keys:
+                block_keys.update(keys)
             if start % size:
                 # NOTE: no hit: one is given in the step right after it, which
                 # starts a block (most decode steps start none).
                 requests.append(planned)
+                if num_new != 1 or len(planned.block_ids) != 1:
+                    decode = False
                 continue
             hit_ids, hit_keys = self._manager.hit_blocks(req_id)
             if external is not None:
@@ -362,15 +363,18 @@ class StoreMirror:
             num_hit = start // size
             if num_hit > len(hit_ids):
                 hit_ids, hit_keys = (), ()
+            if num_new != 1 or len(planned.block_ids) != 1 or (num_hit and hit_ids):
+                decode = False
             requests.append(
                 PlannedRequest(
                     req_id, start, num_new, planned.block_ids, hit_ids[:num_hit], hit_keys[:num_hit]
                 )
             )
         if allocated:
-            for allocation in allocated.values():
-                undone.update(dict.fromkeys(allocation.planned.block_ids))
+            for planned in allocated.values():
+                undone.update(dict.fromkeys(planned.block_ids))
             allocated.clear()
+            allocated_keys.clear()
         if undone:
             self.table.clear(undone)
         # NOTE: each part built only when the step has one: most steps have
@@ -387,6 +391,9 @@ class StoreMirror:
             invalidated_block_ids=tuple(undone) if undone else (),
             finished_req_ids=tuple(finished_req_ids),
             loads=tuple(loaded.values()) if loaded else (),
+            decode=decode
+            and bool(requests)
+            and not (undone or loaded or cleared or self._reset or prompt_requests),
         )
         if loaded:
             self._loading.update(loaded)

@@ -130,6 +130,32 @@ class StepPlan:
     # Blocks of waiting requests to fill from a tier (each then part of its
     # request's hit, in the step that first schedules it).
     loads: tuple[LoadOrder, ...] = ()
+    # A steady decode step (`mirror.StoreMirror` marks them): every request
+    # computes one token in its one planned block, none has a hit, and the
+    # plan clears, resets, invalidates, loads and asks for nothing. The
+    # worker stages such a step by its plan without reading its requests
+    # (`staged_steps.Staged`): right after the forward pass that reading is
+    # most of a decode step's cost. The plan-wide conditions are checked here.
+    decode: bool = False
+
+    def __post_init__(self) -> None:
+        if self.decode and (
+            not self.caching
+            or not self.requests
+            or self.prompt_requests
+            or self.cleared_block_ids
+            or self.reset
+            or self.invalidated_block_ids
+            or self.loads
+        ):
+            raise ValueError(
+                "decode: expected a cached step of requests that clears, resets, invalidates, "
+                f"loads and asks for nothing, found caching={self.caching}, "
+                f"{len(self.requests)} requests, prompt_requests={sorted(self.prompt_requests)}, "
+                f"cleared_block_ids={self.cleared_block_ids}, reset={self.reset}, "
+                f"invalidated_block_ids={self.invalidated_block_ids}, "
+                f"{len(self.loads)} loads"
+            )
 
 
 def block_ids_of(slots: npt.NDArray[np.int64] | list[int], block_size: int) -> tuple[int, ...]:
