@@ -134,8 +134,10 @@ class StepPlan:
     # computes one token in its one planned block, none has a hit, and the
     # plan clears, resets, invalidates, loads and asks for nothing. The
     # worker stages such a step by its plan without reading its requests
-    # (`staged_steps.Staged`): right after the forward pass that reading is
-    # most of a decode step's cost. The plan-wide conditions are checked here.
+    # (`staged_steps.Staged`): right after the forward pass, reading them
+    # took a quarter of what the worker's store did for a decode step. The
+    # plan-wide conditions are checked here, the requests' when the worker
+    # reads them.
     decode: bool = False
 
     def __post_init__(self) -> None:
