@@ -57,7 +57,12 @@ import torch
 from omnicache.block_hash import BlockHash
 from omnicache.checks import check_int, check_str, type_name
 from omnicache.integrations.vllm.common import CONNECTOR_NAME
-from omnicache.integrations.vllm.plan import PlannedRequest, StepPlan, planned_slots
+from omnicache.integrations.vllm.plan import (
+    PlannedRequest,
+    StepPlan,
+    batch_requests,
+    planned_slots,
+)
 from omnicache.integrations.vllm.staged_steps import (
     MAX_DEFERRED_STEPS,
     MAX_HOST_STEP_BYTES,
@@ -356,9 +361,7 @@ class LiveStore:
         """
         staged = self._staged
         if (staged.steps or staged.decode) and self._begun is not plan:
-            requests = plan.requests
-            num = len(requests) if plan.decode else sum(item.num_new for item in requests)
-            nbytes = num * self._row_bytes
+            nbytes = sum(item.num_new for item in plan.requests) * self._row_bytes
             if (
                 len(staged.steps) + len(staged.decode) + 1 >= MAX_DEFERRED_STEPS
                 or staged.nbytes + nbytes > self.max_staged_bytes
@@ -474,7 +477,7 @@ class LiveStore:
                         slot_mapping if num_slots == num else slot_mapping[:num],
                     )
                     if staged is not None and (staged[2] or self._prompts):
-                        self._read(self._batch(plan, batch_order), hidden_states)
+                        self._read(batch_requests(plan, batch_order), hidden_states)
                     if plan.finished_req_ids:
                         self._finish_requests(plan.finished_req_ids)
                     return stamped
@@ -490,7 +493,7 @@ class LiveStore:
         stamped = self._flushed
         self._flushed = {}
         if hidden_states is not None and plan.requests:
-            batch = self._batch(plan, batch_order)
+            batch = batch_requests(plan, batch_order)
             stamped.update(self._write(plan, batch, hidden_states, slot_mapping))
         if plan.invalidated_block_ids:
             store.invalidate(plan.invalidated_block_ids)
@@ -569,16 +572,6 @@ class LiveStore:
             found[req_id] = rows
         return found
 
-    def _batch(self, plan: StepPlan, batch_order: Sequence[str]) -> list[PlannedRequest]:
-        by_id = {item.req_id: item for item in plan.requests}
-        batch = [by_id.get(req_id) for req_id in batch_order]
-        if len(batch) != len(by_id) or len(set(batch_order)) != len(by_id) or None in batch:
-            raise RuntimeError(
-                f"step: expected rows of the planned requests {sorted(by_id)}, found rows of "
-                f"{sorted(batch_order)}"
-            )
-        return batch  # type: ignore[return-value]
-
     def _stage(
         self,
         plan: StepPlan,
@@ -656,11 +649,15 @@ class LiveStore:
                 it are written first (as when it was computed, with its
                 slots), it and those after it dropped, unwritten.
         """
-        num, error = self._staged.resolve()
-        self._stats.num_decode_steps += num
-        if error is not None:
+        staged = self._staged
+        before = len(staged.steps)
+        try:
+            staged.resolve()
+        except RuntimeError as error:
+            self._stats.num_decode_steps += len(staged.steps) - before
             self._flushed.update(self._write_pending())
-            raise RuntimeError(f"{error} (a decode step staged by its plan)")
+            raise RuntimeError(f"{error} (a decode step staged by its plan)") from None
+        self._stats.num_decode_steps += len(staged.steps) - before
 
     def _write_pending(self) -> dict[int, BlockHash]:
         """Writes the staged steps' rows (`staged_steps.write_staged`); the blocks stamped."""

@@ -34,6 +34,7 @@ __all__ = [
     "StepPlan",
     "WorkerSide",
     "asks",
+    "batch_requests",
     "block_ids_of",
     "planned_slots",
     "prompt_requests",
@@ -169,6 +170,22 @@ def block_ids_of(slots: npt.NDArray[np.int64] | list[int], block_size: int) -> t
     ids = np.asarray(slots, dtype=np.int64) // block_size
     first = np.concatenate(([True], ids[1:] != ids[:-1]))
     return tuple(int(block_id) for block_id in ids[first])
+
+
+def batch_requests(plan: StepPlan, batch_order: Sequence[str]) -> list[PlannedRequest]:
+    """The plan's requests in the order of a step's rows (the model runner's batch order).
+
+    Raises:
+        RuntimeError: the rows are not those of the planned requests, each once.
+    """
+    by_id = {item.req_id: item for item in plan.requests}
+    batch = [by_id.get(req_id) for req_id in batch_order]
+    if len(batch) != len(by_id) or len(set(batch_order)) != len(by_id) or None in batch:
+        raise RuntimeError(
+            f"step: expected rows of the planned requests {sorted(by_id)}, found rows of "
+            f"{sorted(batch_order)}"
+        )
+    return batch  # type: ignore[return-value]
 
 
 def planned_slots(requests: Sequence[PlannedRequest], block_size: int) -> list[int] | None:

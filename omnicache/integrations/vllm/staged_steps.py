@@ -11,9 +11,10 @@ A steady decode step (`StepPlan.decode`: one token of each request in its
 planned block, no hit, nothing cleared, loaded or asked) is staged by its
 plan alone: its slots and blocks are found later (`Staged.resolve`), in one
 loop over every such step, before anything reads the staged steps (a step
-that is not one, or their write). Right after the forward pass, finding
-the slots of a decode step of 4 requests (`staged_slots`) took about 10 of
-the 41 us `LiveStore.apply` took for it; in that loop, about 1 us a step.
+that is not one, or their write), by `staged_slots` as any staged step's.
+Right after the forward pass, that took about 10 of the 41 us
+`LiveStore.apply` took for a decode step of 4 requests; in that loop,
+about 1-1.5 us a step.
 A step whose rows turn out not to be its plan's requests is refused then,
 after the steps before it are written.
 
@@ -48,7 +49,7 @@ import torch
 
 from omnicache.block_hash import BlockHash
 from omnicache.checks import check_int
-from omnicache.integrations.vllm.plan import PlannedRequest, StepPlan, planned_slots
+from omnicache.integrations.vllm.plan import StepPlan, batch_requests, planned_slots
 from omnicache.store import HIDDEN_STATES, TensorStore
 
 __all__ = [
@@ -217,51 +218,39 @@ class Staged:
         """Whether any of ``block_ids`` holds rows of ``steps`` (at their planned slots)."""
         return bool(block_ids) and not self.blocks.isdisjoint(block_ids)
 
-    def resolve(self) -> tuple[int, str | None]:
+    def resolve(self) -> None:
         """Turns the decode steps staged by their plans into ``steps``, in order.
 
-        Each step's slots follow its rows' request ids (the model runner's
-        batch order), from its plan's blocks and positions, as
-        `staged_slots` finds them.
+        Each step's slots and blocks are `staged_slots`'s, in its rows' order
+        (the model runner's batch order), once its requests are seen to be
+        decode tokens (`StepPlan.decode` checks the rest of the plan).
 
-        Returns:
-            The steps resolved, and None; or, when a step's rows are not its
-            plan's requests or its plan is not a steady decode step's, those
-            resolved before it and why: that step and those after it are
-            dropped, unwritten (the caller writes the steps before it, then
-            refuses the step, as it would have refused it when computed).
+        Raises:
+            RuntimeError: a step's rows are not its plan's requests, or one of
+                them is not one new token in one block without a hit. The
+                steps before it are in ``steps``; it and those after it are
+                dropped, unwritten (the caller writes the steps before it,
+                then refuses it, as it would have refused it when computed).
         """
-        decode = self.decode
-        if not decode:
-            return 0, None
-        self.decode = []
+        decode, self.decode = self.decode, []
         bs = self.block_size
-        steps, blocks = self.steps, self.blocks
-        for index, (rows, mapping, plan, order) in enumerate(decode):
-            items: Sequence[PlannedRequest] = plan.requests
-            if [item.req_id for item in items] != list(order):
-                by_id = {item.req_id: item for item in items}
-                found = [by_id.get(req_id) for req_id in order]
-                if len(order) != len(by_id) or len(set(order)) != len(by_id) or None in found:
-                    return index, (
-                        f"step: expected rows of the planned requests {sorted(by_id)}, found "
-                        f"rows of {sorted(order)}"
-                    )
-                items = cast("list[PlannedRequest]", found)
-            slots: list[int] = []
-            for item in items:
+        for rows, mapping, plan, order in decode:
+            for item in plan.requests:
                 if item.num_new != 1 or len(item.block_ids) != 1 or item.hit_block_ids:
-                    return index, (
+                    raise RuntimeError(
                         "decode: expected one new token in one block and no hit for each "
                         f"request of a decode step, found request {item.req_id!r} with "
                         f"{item.num_new} new tokens in blocks {item.block_ids} and "
                         f"{len(item.hit_block_ids)} hit blocks"
                     )
-                block = item.block_ids[0]
-                blocks.add(block)
-                slots.append(block * bs + item.start % bs)
-            steps.append((rows, mapping, slots, plan.block_keys, order))
-        return len(decode), None
+            planned = staged_slots(plan, order, bs, self.blocks)
+            if planned is None:
+                # NOTE: the one reason left for a decode step: rows of other
+                # requests than planned, which this refuses.
+                batch_requests(plan, order)
+                raise RuntimeError(f"step: expected a decode step's slots, found none: {plan}")
+            self.steps.append((rows, mapping, planned[0], plan.block_keys, order))
+            self.blocks.update(planned[1])
 
     def take(self) -> list[_StagedStep]:
         """Empties the staged steps, those staged by their plans too; returns ``steps``, in
