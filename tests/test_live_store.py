@@ -627,6 +627,55 @@ def test_a_decode_step_is_marked_only_when_it_clears_resets_invalidates_loads_an
         assert live.stats.num_rows_written == 1 and live.stats.num_decode_steps == 1
 
 
+def test_a_decode_step_keeps_the_slot_values_read_before_its_forward_pass(
+    copy_steps: bool | None,
+) -> None:
+    live = new_live(copy_steps=copy_steps)
+    # vLLM's slot mapping: a buffer it rewrites each step (with padding here).
+    buffer = torch.full((6,), -1, dtype=torch.int64)
+    plain = StepPlan(caching=True, requests=(PlannedRequest("a", 0, 1, (1,)),))
+    # Only a decode step's, staged by its plan on the CPU, are read early.
+    assert live.decode_slot_values(plain, buffer[:1]) is None
+    for position in range(BS):
+        plan = StepPlan(
+            caching=True,
+            requests=(
+                PlannedRequest("a", position, 1, (1,)),
+                PlannedRequest("b", 4 + position, 1, (2,)),
+            ),
+            block_keys={1: K[1], 2: K[2]} if position == BS - 1 else {},
+            decode=True,
+        )
+        buffer[:2] = slots_of(plan, ["b", "a"])
+        values = live.decode_slot_values(plan, buffer)
+        assert values == (None if copy_steps else buffer[:2].tolist())
+        # The values stand for the buffer once read: the store keeps them, not
+        # what the buffer holds when the rows come (here another step's slots).
+        if values is not None:
+            buffer[:2] = torch.tensor([7 * BS, 7 * BS + 1])
+        computed = rows(10 * position, 2)
+        assert live.apply(plan, ["b", "a"], computed, buffer, slot_values=values) == {}
+    assert live.flush() == {1: K[1], 2: K[2]}
+    assert live.stats.num_slot_mismatches == 0 and live.stats.num_decode_steps == BS
+    a_rows = torch.cat([rows(10 * position + 1, 1) for position in range(BS)])
+    b_rows = torch.cat([rows(10 * position, 1) for position in range(BS)])
+    assert torch.equal(
+        live.store.read_blocks(HIDDEN_STATES, [1, 2], [K[1], K[2]]), torch.cat([a_rows, b_rows])
+    )
+    assert live.store.filled_of(HIDDEN_STATES, 7) == 0
+    # While a prompt's rows are gathered, decode steps are staged with their
+    # slots: none are read early.
+    asks = StepPlan(
+        caching=True,
+        requests=(PlannedRequest("p", 0, 3, (3,)),),
+        prompt_requests={"p": 6},
+        result_keys={"p": "key-p"},
+    )
+    live.apply(asks, ["p"], rows(100, 3), slots_of(asks, ["p"]))
+    marked = StepPlan(caching=True, requests=(PlannedRequest("a", 4, 1, (4,)),), decode=True)
+    assert live.decode_slot_values(marked, slots_of(marked, ["a"])) is None
+
+
 def test_deferred_rows_at_slots_other_than_planned_stamp_nothing_of_their_step(
     copy_steps: bool | None,
     decode_step: DecodeStep,

@@ -418,12 +418,28 @@ class LiveStore:
         if self.tier is not None:
             self.tier.close()
 
+    def decode_slot_values(self, plan: StepPlan, slot_mapping: torch.Tensor) -> list[int] | None:
+        """The values of a steady decode step's slots, when `apply` keeps them; else None.
+
+        The worker reads them before the step's forward pass, where vLLM has
+        just written them (after it, the same read took half as long again)
+        and hands them to `apply`. A decode step (`StepPlan.decode`) staged
+        by its plan keeps its slots' values when its rows stay where they
+        are: on the CPU, unless ``copy_steps`` (`_stage`).
+        """
+        if not plan.decode or self._prompts or self.copy_steps or not slot_mapping.is_cpu:
+            return None
+        num = len(plan.requests)
+        return (slot_mapping if slot_mapping.shape[0] == num else slot_mapping[:num]).tolist()
+
     def apply(
         self,
         plan: StepPlan,
         batch_order: Sequence[str] = (),
         hidden_states: torch.Tensor | None = None,
         slot_mapping: torch.Tensor | None = None,
+        *,
+        slot_values: list[int] | None = None,
     ) -> dict[int, BlockHash]:
         """Applies one step: its plan, and the rows the model produced for it.
 
@@ -434,6 +450,8 @@ class LiveStore:
                 no forward pass this step).
             slot_mapping: the forward pass's slot of each row (padding after
                 the scheduled tokens).
+            slot_values: `decode_slot_values` of the step, read before its
+                forward pass (None: read here when needed).
 
         Returns:
             Block id -> key of the blocks the step's rows stamped (saved to
@@ -456,25 +474,30 @@ class LiveStore:
                 staged = staged_slots(plan, batch_order, store.block_size, self._staged.blocks)
                 num = -1 if staged is None else len(staged[0])
             if num >= 0:
-                # NOTE: each tensor's shape read once: right after the forward
-                # pass, every call into torch is cold.
-                num_given, width = hidden_states.shape[0], hidden_states.shape[-1]
+                # NOTE: each of the tensors' attributes read once: right after the
+                # forward pass, every call into torch is cold.
+                shape = hidden_states.shape
+                num_given, width = shape[0], shape[-1]
                 self._row_bytes = row_bytes = width * hidden_states.element_size()
                 nbytes = num * row_bytes
                 num_slots = slot_mapping.shape[0]
+                on_cpu = hidden_states.is_cpu
                 if (
                     nbytes <= self.max_staged_bytes
-                    and (nbytes <= MAX_HOST_STEP_BYTES or not hidden_states.is_cpu)
+                    and (nbytes <= MAX_HOST_STEP_BYTES or not on_cpu)
                     and num_given >= num
                     and num_slots >= num
                 ):
+                    copy = self.copy_steps
                     stamped = self._stage(
                         plan,
                         staged,
                         nbytes,
+                        not on_cpu if copy is None else copy,
                         batch_order,
                         hidden_states if num_given == num else hidden_states[:num],
                         slot_mapping if num_slots == num else slot_mapping[:num],
+                        slot_values,
                     )
                     if staged is not None and (staged[2] or self._prompts):
                         self._read(batch_requests(plan, batch_order), hidden_states)
@@ -577,9 +600,11 @@ class LiveStore:
         plan: StepPlan,
         planned: tuple[list[int], list[int], bool] | None,
         nbytes: int,
+        copy: bool,
         batch_order: Sequence[str],
         hidden_states: torch.Tensor,
         slot_mapping: torch.Tensor,
+        slot_values: list[int] | None,
     ) -> dict[int, BlockHash]:
         """The write of `apply` for a step whose rows may wait; the blocks stamped.
 
@@ -591,8 +616,12 @@ class LiveStore:
         ``nbytes``: the bytes of the model's rows of the step (on every rank,
         a follower's too, so that every rank writes at the same step);
         ``hidden_states`` and ``slot_mapping``: the step's, padding left out
-        (whole tensors when the step has none: a slice is one more op).
-        `staged_steps.write_staged` compares the slots with the plan's.
+        (whole tensors when the step has none: a slice is one more op);
+        ``copy``: whether the step keeps copies (below: ``copy_steps``, or
+        whether the rows are on a device); ``slot_values``: a decode step's
+        slots' values, read before its forward pass (`decode_slot_values`),
+        or None. `staged_steps.write_staged` compares the slots with the
+        plan's.
 
         On a device the step keeps a copy of its rows and of its slot
         mapping, made there: reading a value of either would make the step
@@ -604,9 +633,6 @@ class LiveStore:
         later step's rows would start where a staged step's do, and that step
         is refused before anything is written (`Staged.fresh_rows`).
         """
-        copy = self.copy_steps
-        if copy is None:
-            copy = not hidden_states.is_cpu
         staged = self._staged
         kept = 0
         rows: torch.Tensor | None = None
@@ -627,7 +653,13 @@ class LiveStore:
             stamped = self.flush()
         if kept:
             staged.kept.add(kept)
-        mapping = slot_mapping.clone() if copy else slot_mapping.tolist()
+        mapping: torch.Tensor | list[int]
+        if copy:
+            mapping = slot_mapping.clone()
+        elif slot_values is not None and planned is None:
+            mapping = slot_values
+        else:
+            mapping = slot_mapping.tolist()
         if planned is None:
             staged.decode.append((rows, mapping, plan, batch_order))
         else:

@@ -286,9 +286,9 @@ class _Capture:
     module would not see such a step). Right after it returns, in the same
     step, the live store applies the step's plan to the rows (vLLM's output
     buffer, read before the next replay) at the forward context's slots, in
-    the model runner's batch order: before vLLM samples the step (and
-    scores prompt positions) or pools it, which read what the store gives
-    the hits' positions.
+    the model runner's batch order (both read before the forward pass): before
+    vLLM samples the step (and scores prompt positions) or pools it, which
+    read what the store gives the hits' positions.
     """
 
     __slots__ = ("batch", "direct", "forward", "layer_name", "live", "num_calls", "plan", "runner")
@@ -322,31 +322,28 @@ class _Capture:
         return self.num_calls
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        output = self.forward(*args, **kwargs)
         live, plan = self.live, self.plan
         if live is None or plan is None:
-            return output
+            return self.forward(*args, **kwargs)
         self.num_calls += 1
         if self.num_calls > 1:
             raise RuntimeError(
                 f"{WORKER_CLS}: expected one forward pass per step, found {self.num_calls}"
             )
-        rows = output[0] if isinstance(output, tuple) else output
-        if not isinstance(rows, torch.Tensor):
-            raise RuntimeError(
-                f"{WORKER_CLS}: expected the model to return hidden states, found "
-                f"{type_name(rows)} (pipeline parallelism is not supported)"
-            )
+        # NOTE: the step's slots and batch order are read before the forward
+        # pass, where vLLM has just written them: after it, which leaves the
+        # host's caches cold, the same reads took twice as long (10 of the
+        # about 35 us of a decode step's capture).
         mapping = get_forward_context().slot_mapping
         if not isinstance(mapping, dict) or self.layer_name not in mapping:
             raise RuntimeError(
                 f"{WORKER_CLS}: expected the forward context's slot mapping of layer "
                 f"{self.layer_name!r}, found {type_name(mapping)}"
             )
+        slot_mapping = mapping[self.layer_name]
         # NOTE: vLLM's ``InputBatch.req_ids`` is a property that casts the
-        # batch's own list (``_req_ids``, changed in place). Right after the
-        # forward pass, where every call is cold, the property and a
-        # comprehension took about half of the capture's own time: the list
+        # batch's own list (``_req_ids``, changed in place). The property and
+        # a comprehension took about half of the capture's own time: the list
         # is read directly once ``req_ids`` is seen to be it (checked for each
         # new input batch; otherwise the property, each step). It holds None
         # only while vLLM updates the batch, never at a forward pass.
@@ -357,7 +354,15 @@ class _Capture:
         order = (batch._req_ids if self.direct else batch.req_ids)[: batch.num_reqs]
         if None in order:
             order = [req_id for req_id in order if req_id is not None]
-        live.apply(plan, order, rows, mapping[self.layer_name])
+        values = live.decode_slot_values(plan, slot_mapping)
+        output = self.forward(*args, **kwargs)
+        rows = output[0] if isinstance(output, tuple) else output
+        if not isinstance(rows, torch.Tensor):
+            raise RuntimeError(
+                f"{WORKER_CLS}: expected the model to return hidden states, found "
+                f"{type_name(rows)} (pipeline parallelism is not supported)"
+            )
+        live.apply(plan, order, rows, slot_mapping, slot_values=values)
         return output
 
 
