@@ -18,8 +18,9 @@ keys (``scheduler_cls`` only); omnicache's keys and the store (plus
 slots). Columns: the engine core's step time (median over the workload's
 steps); the step's time besides the model's forward pass ("other": every
 mode's own work, and vLLM's, per step); the store's work in a step (median
-over the steps), on each side: the worker's (the capture after the forward
-pass: the step's slots and batch order, and `LiveStore.apply`: row writes,
+over the steps), on each side: the worker's (the capture around the forward
+pass: the step's slots and batch order, read before it, and `LiveStore.apply`
+after it: row writes,
 hit checks, prompt results; and the connector's worker hooks vLLM calls each
 step, ``start_load_kv`` with `LiveStore.start_step` among them; not its
 per-layer hooks, which return at once) and the scheduler's (the mirror's
@@ -34,10 +35,14 @@ omnicache's that no timer here counts, and the timers; a noisy difference of
 two medians); and the step time over vLLM's (engines differ by 5-40% from
 one start to the next here: the timed store work is the measure, not this
 ratio). The timers' own cost is counted in the store's: about 0.2 us a
-timed call warm, but about 1 us in the engine, where each call comes cold
-(a hook that returns at once times at 0.75-1.3 us; a decode step makes
-about 12 timed calls). Medians over ``--repeats`` passes; the modes take
-turns, each pass on a fresh engine after a warm-up workload of its own.
+timed call warm, but about 1 us in the engine, where each call comes cold.
+A second table measures it in the same passes: the store's timed calls a
+step, what timing a hook that returns at once took (the connector's
+``wait_for_layer_load``, which vLLM calls at each layer inside the forward
+pass), and their product as a share of the steps (an estimate: the store's
+share less this one is what the store's work would be without the timers).
+Medians over ``--repeats`` passes; the modes take turns, each pass on a
+fresh engine after a warm-up workload of its own.
 
 Run with the live engine's environment (``./dev live`` prepares ``.venv-live``):
 
@@ -153,6 +158,9 @@ def run_pass(mode: str, model: Path, args: argparse.Namespace) -> dict[str, dict
         steps.time("scheduler", scheduler.omni_mirror, "on_allocated")
         for name in SCHEDULER_HOOKS:
             steps.time("scheduler", scheduler.connector, name)
+        # NOTE: what a timer adds to the time it counts, in this run: a hook
+        # vLLM calls at each layer in the forward pass, which returns at once.
+        steps.time("timer", worker_side, "wait_for_layer_load")
     ask = {"omnicache_prompt_hidden_states": True} if mode == "keys + store" else None
     results: dict[str, dict[str, float]] = {}
     for salt in ("warm-up", "measured"):
@@ -190,6 +198,19 @@ def run_pass(mode: str, model: Path, args: argparse.Namespace) -> dict[str, dict
                 step - model
                 for step, model in zip(steps.step_times, steps.totals["model"], strict=True)
             )
+            if live is not None:
+                # Each step's timed calls of the store's groups, and what one timed
+                # call that returns at once took (the step's mean, over its layers).
+                calls = [sum(c) for c in zip(*(steps.counts[side] for side in SIDES), strict=True)]
+                timer = [
+                    t / n
+                    for t, n in zip(steps.totals["timer"], steps.counts["timer"], strict=True)
+                    if n
+                ]
+                one = statistics.median(timer) if timer else float("nan")
+                result["timed calls"] = statistics.median(calls)
+                result["timer us"] = 1e6 * one
+                result["timers share"] = sum(calls) * one / total_s
             for side in SIDES:
                 times = steps.totals.get(side, [0.0])
                 extra_s = flush_s if side == "worker" else 0.0
@@ -248,6 +269,17 @@ def main() -> None:
                 f"{w:<9}{mode:<16}{row['step ms']:>10.3f}{row['other ms']:>10.3f}{cells}"
                 f"{ratio:>8.3f}x"
             )
+    print(
+        "\nthe timers' own cost, in the store's share (keys + store): timed calls a step, "
+        "what a timed call that returns at once took (a per-layer hook, in the forward pass), "
+        "and their product over the steps"
+    )
+    for w in WORKLOADS:
+        runs = passes["keys + store"]
+        calls = statistics.median(p[w]["timed calls"] for p in runs)
+        timer = statistics.median(p[w]["timer us"] for p in runs)
+        share = statistics.median(p[w]["timers share"] for p in runs)
+        print(f"{w:<9}{calls:>6.1f} calls a step{timer:>8.2f} us a call{100 * share:>8.2f}%")
 
 
 if __name__ == "__main__":

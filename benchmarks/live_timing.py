@@ -35,17 +35,21 @@ class PerStep:
     """Wraps an engine's step method; adds up, by group, the time of calls made inside each step.
 
     One thread: calls to the methods of a group (`time`) made during a step
-    add to that step's total of the group; a step without any counts 0.
+    add to that step's total of the group, and count in its number of timed
+    calls (``counts``); a step without any counts 0.
     """
 
     def __init__(self, owner: Any, name: str) -> None:
         self.step_times: list[float] = []
         self.totals: dict[str, list[float]] = {}
+        self.counts: dict[str, list[int]] = {}
         self._current: dict[str, float] = {}
+        self._calls: dict[str, int] = {}
         inner = getattr(owner, name)
 
         def step(*args: Any, **kwargs: Any) -> Any:
             self._current = dict.fromkeys(self.totals, 0.0)
+            self._calls = dict.fromkeys(self.totals, 0)
             start = time.perf_counter()
             try:
                 return inner(*args, **kwargs)
@@ -53,6 +57,7 @@ class PerStep:
                 self.step_times.append(time.perf_counter() - start)
                 for group, total in self._current.items():
                     self.totals[group].append(total)
+                    self.counts[group].append(self._calls[group])
                 self._current = {}
 
         setattr(owner, name, step)
@@ -64,11 +69,13 @@ class PerStep:
         one that is not the group's work: a wrapper's inner call).
         """
         self.totals.setdefault(group, [])
+        self.counts.setdefault(group, [])
         sign = -1.0 if subtract else 1.0
 
         def record(seconds: float) -> None:
             if group in self._current:
                 self._current[group] += sign * seconds
+                self._calls[group] += 1
 
         _wrap(owner, name, record)
 
@@ -76,3 +83,5 @@ class PerStep:
         self.step_times.clear()
         for totals in self.totals.values():
             totals.clear()
+        for counts in self.counts.values():
+            counts.clear()
