@@ -20,10 +20,10 @@ steps); the step's time besides the model's forward pass ("other": every
 mode's own work, and vLLM's, per step); the store's work in a step (median
 over the steps), on each side: the worker's (the capture around the forward
 pass: the step's slots and batch order, read before it, and `LiveStore.apply`
-after it: row writes,
-hit checks, prompt results; and the connector's worker hooks vLLM calls each
-step, ``start_load_kv`` with `LiveStore.start_step` among them; not its
-per-layer hooks, which return at once) and the scheduler's (the mirror's
+after it: row writes, hit checks, prompt results; and the connector's worker
+hooks vLLM calls each step, ``start_load_kv`` with `LiveStore.start_step`
+among them; not its per-layer hooks, which return at once: one of them
+times the timers, below) and the scheduler's (the mirror's
 record of each allocation, `StoreMirror.on_allocated`, and the connector's
 scheduler hooks, ``build_connector_meta`` with the step's plan among them);
 their shares of the steps (the workload's store time over its step time: the
