@@ -303,7 +303,10 @@ class RequestState:
         block_id: int = blocks[index].block_id
         if block_id == NULL_BLOCK_ID:
             return None
-        hashes = self.keys()
+        # NOTE: `keys` without its two calls when each hash block is a group block.
+        hashes = self.request.block_hashes
+        if self.scale > 1:
+            hashes = group_keys(hashes, self.scale)
         return block_id, hashes[index] if index < len(hashes) else None
 
     def keys(self) -> Sequence[BlockHash]:

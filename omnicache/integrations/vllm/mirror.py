@@ -38,6 +38,7 @@ did not load, and the request's first scheduled step carries its hit.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -59,6 +60,9 @@ from omnicache.integrations.vllm.tier import TierReader
 from omnicache.store.fill import fill_after
 
 __all__ = ["StoreMirror", "WorkerTable"]
+
+# A step without new requests: none asks for hidden states (`plan.prompt_requests`).
+_NONE: tuple[Mapping[str, int], frozenset[str]] = (MappingProxyType({}), frozenset())
 
 
 # -- what the worker holds ---------------------------------------------------------------
@@ -177,7 +181,9 @@ class StoreMirror:
 
     def step_plan(self, scheduler_output: Any) -> StepPlan:
         """The plan of the step ``scheduler_output`` describes (see `plan`)."""
-        prompts, sequences = prompt_requests(scheduler_output)
+        prompts, sequences = (
+            prompt_requests(scheduler_output) if scheduler_output.scheduled_new_reqs else _NONE
+        )
         finished = scheduler_output.finished_req_ids
         return self.plan(
             scheduled(scheduler_output),
@@ -380,18 +386,21 @@ class StoreMirror:
         # NOTE: each part built only when the step has one: most steps have
         # none, and the scheduler plans every step.
         loaded, cleared = self._loaded, self._cleared
+        # NOTE: the fields in their order, without keywords, which took about
+        # twice as long (1.4 us against 0.8, warm).
         plan = StepPlan(
-            caching=True,
-            requests=tuple(requests),
-            block_keys=block_keys,
-            prompt_requests=dict(prompt_requests) if prompt_requests else {},
-            sequence_requests=frozenset(sequence_requests),
-            cleared_block_ids=tuple(cleared) if cleared else (),
-            reset=self._reset,
-            invalidated_block_ids=tuple(undone) if undone else (),
-            finished_req_ids=tuple(finished_req_ids),
-            loads=tuple(loaded.values()) if loaded else (),
-            decode=decode
+            True,  # caching
+            tuple(requests),  # requests
+            block_keys,  # block_keys
+            dict(prompt_requests) if prompt_requests else {},  # prompt_requests
+            frozenset(sequence_requests),  # sequence_requests
+            {},  # result_keys (the connector's)
+            tuple(cleared) if cleared else (),  # cleared_block_ids
+            self._reset,  # reset
+            tuple(undone) if undone else (),  # invalidated_block_ids
+            tuple(finished_req_ids),  # finished_req_ids
+            tuple(loaded.values()) if loaded else (),  # loads
+            decode  # decode
             and bool(requests)
             and not (undone or loaded or cleared or self._reset or prompt_requests),
         )
