@@ -60,6 +60,19 @@ def slots_of(plan: StepPlan, order: list[str], padding: int = 0) -> torch.Tensor
     return torch.tensor(slots + [-1] * padding, dtype=torch.int64)
 
 
+def run_step(
+    live: LiveStore,
+    plan: StepPlan,
+    batch_order: Sequence[str],
+    hidden_states: torch.Tensor,
+    slot_mapping: torch.Tensor | None = None,
+) -> dict[int, BlockHash]:
+    """A step with a forward pass, as the worker applies it: a decode step's slot values
+    read first (`LiveStore.decode_slot_values`, before the forward pass), then `apply`."""
+    values = None if slot_mapping is None else live.decode_slot_values(plan, slot_mapping)
+    return live.apply(plan, batch_order, hidden_states, slot_mapping, slot_values=values)
+
+
 def test_block_ids_and_planned_slots() -> None:
     assert block_ids_of(np.array([6, 7, 12, 13], dtype=np.int64), BS) == (1, 3)
     assert block_ids_of(np.zeros(0, dtype=np.int64), BS) == ()
@@ -86,7 +99,7 @@ def test_a_hit_reads_the_stored_rows_then_the_steps_rows(copy_steps: bool | None
         prompt_requests={"a": 9},
         result_keys={"a": "key-a"},
     )
-    live.apply(first, ["a"], rows(100, 11), slots_of(first, ["a"], padding=2))
+    run_step(live, first, ["a"], rows(100, 11), slots_of(first, ["a"], padding=2))
     # Nothing reads its blocks yet: its rows wait, and its prompt's rows are gathered.
     assert live.stats.num_rows_written == 0 and live.store.stamp_of(HIDDEN_STATES, 1) is None
     # Request "b" hits blocks 1 and 2 and computes its last 2 prompt tokens in block 4,
@@ -100,7 +113,7 @@ def test_a_hit_reads_the_stored_rows_then_the_steps_rows(copy_steps: bool | None
         prompt_requests={"b": 10},
         result_keys={"b": "key-b"},
     )
-    live.apply(second, ["b", "a"], rows(500, 3), slots_of(second, ["b", "a"]))
+    run_step(live, second, ["b", "a"], rows(500, 3), slots_of(second, ["b", "a"]))
     # b's hit is in blocks a's staged rows fill: they are written first, then the step's.
     assert [live.store.stamp_of(HIDDEN_STATES, block) for block in (1, 2, 3)] == [K[1], K[2], None]
     assert live.stats.num_rows_written == 12
@@ -128,7 +141,7 @@ def test_requests_sharing_hit_blocks_get_each_their_own_blocks_then_their_rows(
         requests=(PlannedRequest("a", 0, 12, (1, 2, 3)),),
         block_keys={1: K[1], 2: K[2], 3: K[3]},
     )
-    live.apply(first, ["a"], rows(100, 12), slots_of(first, ["a"]))
+    run_step(live, first, ["a"], rows(100, 12), slots_of(first, ["a"]))
     # "b" hits blocks 1 and 2, "c" blocks 1 and 3: each block is read once, in
     # the batch's order (c's first), so b's are not next to each other there.
     second = StepPlan(
@@ -140,7 +153,7 @@ def test_requests_sharing_hit_blocks_get_each_their_own_blocks_then_their_rows(
         prompt_requests={"b": 9, "c": 9},
         result_keys={"b": "key-b", "c": "key-c"},
     )
-    live.apply(second, ["c", "b"], rows(500, 2), slots_of(second, ["c", "b"]))
+    run_step(live, second, ["c", "b"], rows(500, 2), slots_of(second, ["c", "b"]))
     found = live.take({"b": "key-b", "c": "key-c"})
     assert torch.equal(found["b"], torch.cat([rows(100, 8), rows(501, 1)]))  # type: ignore[arg-type]
     assert torch.equal(  # type: ignore[arg-type]
@@ -160,7 +173,7 @@ def test_a_prompt_hit_no_other_request_needs_is_read_into_its_result_the_shared_
         requests=(PlannedRequest("a", 0, 24, (1, 2, 3, 4, 5, 6)),),
         block_keys={block: K[block] for block in range(1, 7)},
     )
-    live.apply(first, ["a"], rows(100, 24), slots_of(first, ["a"]))
+    run_step(live, first, ["a"], rows(100, 24), slots_of(first, ["a"]))
     # "b" alone hits blocks 1 and 2; "c" and "d" share block 3; "e" hits blocks
     # 5 and 6 without asking; "f" hits block 6 under another key (stale).
     second = StepPlan(
@@ -176,7 +189,7 @@ def test_a_prompt_hit_no_other_request_needs_is_read_into_its_result_the_shared_
         result_keys={"b": "key-b", "c": "key-c", "d": "key-d", "f": "key-f"},
     )
     order = ["f", "d", "c", "b", "e"]
-    live.apply(second, order, rows(500, 6), slots_of(second, order))
+    run_step(live, second, order, rows(500, 6), slots_of(second, order))
     found = live.take({"b": "key-b", "c": "key-c", "d": "key-d", "f": "key-f"})
     assert found["f"] is None
     assert torch.equal(found["d"], torch.cat([rows(108, 4), rows(501, 1)]))  # type: ignore[arg-type]
@@ -199,7 +212,7 @@ def test_a_hit_on_a_cleared_block_is_counted_and_never_served(copy_steps: bool |
         requests=(PlannedRequest("a", 0, 8, (1, 2)),),
         block_keys={1: K[1], 2: K[2]},
     )
-    live.apply(plan, ["a"], rows(0, 8), slots_of(plan, ["a"]))
+    run_step(live, plan, ["a"], rows(0, 8), slots_of(plan, ["a"]))
     hit = StepPlan(
         caching=True,
         requests=(PlannedRequest("b", 8, 1, (5,), (1, 2), (K[1], K[2])),),
@@ -207,7 +220,7 @@ def test_a_hit_on_a_cleared_block_is_counted_and_never_served(copy_steps: bool |
         result_keys={"b": "key-b"},
         cleared_block_ids=(2,),
     )
-    live.apply(hit, ["b"], rows(50, 1), slots_of(hit, ["b"]))
+    run_step(live, hit, ["b"], rows(50, 1), slots_of(hit, ["b"]))
     assert live.take({"b": "key-b"}) == {"b": None}
     stats = live.stats
     assert (stats.num_stale_hit_blocks, stats.num_prompt_failures, stats.num_cleared_blocks) == (
@@ -222,7 +235,7 @@ def test_a_hit_on_a_cleared_block_is_counted_and_never_served(copy_steps: bool |
 def test_slots_other_than_planned_stamp_nothing(copy_steps: bool | None) -> None:
     live = new_live(copy_steps=copy_steps)
     plan = StepPlan(caching=True, requests=(PlannedRequest("a", 0, 4, (1,)),), block_keys={1: K[1]})
-    live.apply(plan, ["a"], rows(0, 4), torch.tensor([8, 9, 10, 11]))
+    run_step(live, plan, ["a"], rows(0, 4), torch.tensor([8, 9, 10, 11]))
     # A prefill step that only writes waits to be written, as a decode step does.
     assert live.stats.num_rows_written == live.stats.num_slot_mismatches == 0
     assert live.flush() == {}
@@ -247,7 +260,7 @@ def test_prompt_across_chunks_results_capped_and_unfinished_dropped(
             StepPlan(False, (PlannedRequest(req_id, 3, 2),)),
         ]
         for plan, part in zip(plans, (rows(0, 3), rows(3, 2)), strict=True):
-            live.apply(plan, [req_id], part)
+            run_step(live, plan, [req_id], part)
     live.apply(
         StepPlan(
             False, (PlannedRequest("c", 0, 2),), prompt_requests={"c": 4}, result_keys={"c": "c"}
@@ -269,7 +282,7 @@ def test_rows_of_other_requests_than_planned_are_refused(copy_steps: bool | None
     live = new_live(copy_steps=copy_steps)
     plan = StepPlan(caching=False, requests=(PlannedRequest("a", 0, 2),))
     with pytest.raises(RuntimeError, match=r"expected rows of the planned requests \['a'\]"):
-        live.apply(plan, ["b"], rows(0, 2))
+        run_step(live, plan, ["b"], rows(0, 2))
     with pytest.raises(ValueError, match=r"max_results: expected"):
         LiveStore(
             TensorStore(8, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32),
@@ -287,7 +300,7 @@ def test_a_result_is_taken_with_its_key_only_and_within_the_size_asked(
     plan = StepPlan(
         False, (PlannedRequest("a", 0, 5),), prompt_requests={"a": 5}, result_keys={"a": "k-a"}
     )
-    live.apply(plan, ["a"], rows(0, 5))
+    run_step(live, plan, ["a"], rows(0, 5))
     # A forged key, or none of the right length, finds nothing and takes nothing.
     assert live.take({"a": "k-b"}) == {}
     assert live.take({"a": ""}) == {}
@@ -314,7 +327,7 @@ def test_every_position_is_gathered_until_the_request_finishes_or_its_count_is_t
             sequence_requests=frozenset({req_id}),
             result_keys={req_id: f"k-{req_id}"},
         )
-        live.apply(first, [req_id], rows(0, 3))
+        run_step(live, first, [req_id], rows(0, 3))
         for start, count in ((3, 2), (5, 1), (6, 1), (7, 1)):
             live.apply(StepPlan(False, (PlannedRequest(req_id, start, count),)), [req_id],
                        rows(start, count))  # fmt: skip
@@ -368,7 +381,7 @@ def test_the_scorer_gets_each_verified_hit_s_rows_once_and_none_for_a_stale_hit(
         requests=(PlannedRequest("a", 0, 9, (1, 2, 3)),),
         block_keys={1: K[1], 2: K[2]},
     )
-    live.apply(first, ["a"], rows(100, 9), slots_of(first, ["a"]))
+    run_step(live, first, ["a"], rows(100, 9), slots_of(first, ["a"]))
     # "b" hits both blocks and asks for its prompt's hidden states too (one
     # read serves both); "c" hits one block; "d" asks but has no hit; "e" hits
     # but does not ask.
@@ -384,7 +397,7 @@ def test_the_scorer_gets_each_verified_hit_s_rows_once_and_none_for_a_stale_hit(
         result_keys={"b": "key-b"},
     )
     order = ["b", "c", "d", "e"]
-    live.apply(second, order, rows(500, 7), slots_of(second, order))
+    run_step(live, second, order, rows(500, 7), slots_of(second, order))
     assert [(req_id, num) for req_id, num, _ in scorer.scored] == [("b", 8), ("c", 4)]
     assert torch.equal(scorer.scored[0][2], rows(100, 8))  # type: ignore[arg-type]
     assert torch.equal(scorer.scored[1][2], rows(100, 4))  # type: ignore[arg-type]
@@ -406,7 +419,7 @@ def test_the_scorer_gets_each_verified_hit_s_rows_once_and_none_for_a_stale_hit(
         requests=(PlannedRequest("b", 8, 1, (6,), (1, 2), (K[1], K[2])),),
         cleared_block_ids=(2,),
     )
-    live.apply(third, ["b"], rows(900, 1), slots_of(third, ["b"]))
+    run_step(live, third, ["b"], rows(900, 1), slots_of(third, ["b"]))
     assert scorer.scored[-1] == ("b", 8, None)
     assert scorer.num_rows == [2 * BS, 0]
     assert live.stats.num_score_failures == 1
@@ -465,7 +478,7 @@ def test_a_follower_keeps_the_first_ranks_stamps_without_its_rows_and_scores_its
     )
     for plan, order, values in ((first, ["a"], rows(100, 12)), (second, ["p", "b"], rows(500, 2))):
         for live in (leader, follower):
-            stamped = live.apply(plan, order, values, slots_of(plan, order))
+            stamped = run_step(live, plan, order, values, slots_of(plan, order))
             # The first step's rows wait until the second reads their blocks.
             assert sorted(stamped) == ([] if plan is first else [1, 2, 3])
     for block_id in range(8):
@@ -521,7 +534,9 @@ def test_decode_steps_write_their_rows_before_anything_reads_the_store(
             {"a": (4 + step, 2), "b": (step, 3)},
             {2: K[2], 3: K[3]} if step == BS - 1 else {},
         )
-        stamped.update(live.apply(plan, ["b", "a"], rows(10 * step, 2), slots_of(plan, ["b", "a"])))
+        stamped.update(
+            run_step(live, plan, ["b", "a"], rows(10 * step, 2), slots_of(plan, ["b", "a"]))
+        )
     # Nothing read the store yet: the rows wait, unwritten and unstamped.
     assert stamped == {}
     assert live.store.stamp_of(HIDDEN_STATES, 2) is None
@@ -533,7 +548,7 @@ def test_decode_steps_write_their_rows_before_anything_reads_the_store(
         prompt_requests={"c": 5},
         result_keys={"c": "key-c"},
     )
-    assert live.apply(hit, ["c"], rows(900, 1), slots_of(hit, ["c"])) == {2: K[2], 3: K[3]}
+    assert run_step(live, hit, ["c"], rows(900, 1), slots_of(hit, ["c"])) == {2: K[2], 3: K[3]}
     a_rows = torch.cat([rows(10 * step + 1, 1) for step in range(BS)])
     (c_rows,) = live.take({"c": "key-c"}).values()
     assert torch.equal(c_rows, torch.cat([a_rows, rows(900, 1)]))  # type: ignore[arg-type]
@@ -541,7 +556,7 @@ def test_decode_steps_write_their_rows_before_anything_reads_the_store(
     assert live.stats.num_rows_written == 2 * BS + 1
     # Block 3 handed out again after deferred rows: they are written, then cleared.
     plan = decode_step({"a": (8, 4)}, {})
-    live.apply(plan, ["a"], rows(0, 1), slots_of(plan, ["a"]))
+    run_step(live, plan, ["a"], rows(0, 1), slots_of(plan, ["a"]))
     assert live.store.filled_of(HIDDEN_STATES, 4) == 0
     live.apply(StepPlan(caching=True, cleared_block_ids=(3,)))
     assert live.store.filled_of(HIDDEN_STATES, 4) == 1
@@ -549,7 +564,7 @@ def test_decode_steps_write_their_rows_before_anything_reads_the_store(
     # At most MAX_DEFERRED_STEPS wait; flush() writes the rest.
     for step in range(MAX_DEFERRED_STEPS + 1):
         plan = decode_step({"a": (9 + step, 2 + (9 + step) // BS)}, {})
-        live.apply(plan, ["a"], rows(step, 1), slots_of(plan, ["a"]))
+        run_step(live, plan, ["a"], rows(step, 1), slots_of(plan, ["a"]))
     assert live.stats.num_rows_written == 2 * BS + 1 + 1 + MAX_DEFERRED_STEPS
     live.flush()
     assert live.stats.num_rows_written == 2 * BS + 1 + 1 + MAX_DEFERRED_STEPS + 1
@@ -563,19 +578,19 @@ def test_a_decode_step_with_rows_of_other_requests_is_refused_after_the_staged_r
     # "a" decodes positions 4..7 into block 2, completing it.
     for position in range(4, 8):
         plan = decode_step({"a": (position, 2)}, {2: K[2]} if position == 7 else {})
-        assert live.apply(plan, ["a"], rows(position, 1), slots_of(plan, ["a"])) == {}
+        assert run_step(live, plan, ["a"], rows(position, 1), slots_of(plan, ["a"])) == {}
     plan = decode_step({"a": (8, 3)}, {})
     refused = r"expected rows of the planned requests \['a'\], found rows of \['b'\]"
     if not plan.decode:
         with pytest.raises(RuntimeError, match=refused):
-            live.apply(plan, ["b"], rows(8, 1), slots_of(plan, ["a"]))
+            run_step(live, plan, ["b"], rows(8, 1), slots_of(plan, ["a"]))
     else:
         # Staged by its plan alone: refused once the staged steps are resolved
         # (here by the next step that is not a decode step), and the steps
         # after it are dropped with it, unwritten.
-        assert live.apply(plan, ["b"], rows(8, 1), slots_of(plan, ["a"])) == {}
+        assert run_step(live, plan, ["b"], rows(8, 1), slots_of(plan, ["a"])) == {}
         after = decode_step({"a": (9, 3)}, {})
-        assert live.apply(after, ["a"], rows(9, 1), slots_of(after, ["a"])) == {}
+        assert run_step(live, after, ["a"], rows(9, 1), slots_of(after, ["a"])) == {}
         with pytest.raises(RuntimeError, match=refused + r" \(a decode step staged by its plan\)"):
             live.apply(StepPlan(caching=True, cleared_block_ids=(6,)))
         assert live.store.filled_of(HIDDEN_STATES, 3) == 0
@@ -608,7 +623,7 @@ def test_a_decode_step_is_marked_only_when_it_clears_resets_invalidates_loads_an
     # when the steps are resolved, after the steps staged before it are written.
     live = new_live(copy_steps=copy_steps)
     first = StepPlan(caching=True, requests=step, decode=True)
-    assert live.apply(first, ["a"], rows(4, 1), slots_of(first, ["a"])) == {}
+    assert run_step(live, first, ["a"], rows(4, 1), slots_of(first, ["a"])) == {}
     with_hit = PlannedRequest("a", 4, 1, (2,), (1,), (K[1],))
     for bad, refused in (
         (PlannedRequest("a", 6, 2, (1,)), r"2 new tokens in blocks \(1,\) and 0 hit"),
@@ -616,7 +631,9 @@ def test_a_decode_step_is_marked_only_when_it_clears_resets_invalidates_loads_an
         (with_hit, r"1 new tokens in blocks \(2,\) and 1 hit"),
     ):
         plan = StepPlan(caching=True, requests=(bad,), decode=True)
-        assert live.apply(plan, ["a"], rows(5, bad.num_new), torch.tensor([5] * bad.num_new)) == {}
+        assert (
+            run_step(live, plan, ["a"], rows(5, bad.num_new), torch.tensor([5] * bad.num_new)) == {}
+        )
         with pytest.raises(
             RuntimeError,
             match=r"^decode: expected one new token in one block and no hit for each request of "
@@ -633,11 +650,9 @@ def test_a_decode_step_keeps_the_slot_values_read_before_its_forward_pass(
     live = new_live(copy_steps=copy_steps)
     # vLLM's slot mapping: a buffer it rewrites each step (with padding here).
     buffer = torch.full((6,), -1, dtype=torch.int64)
-    plain = StepPlan(caching=True, requests=(PlannedRequest("a", 0, 1, (1,)),))
-    # Only a decode step's, staged by its plan on the CPU, are read early.
-    assert live.decode_slot_values(plain, buffer[:1]) is None
-    for position in range(BS):
-        plan = StepPlan(
+
+    def decode(position: int) -> StepPlan:
+        return StepPlan(
             caching=True,
             requests=(
                 PlannedRequest("a", position, 1, (1,)),
@@ -646,15 +661,23 @@ def test_a_decode_step_keeps_the_slot_values_read_before_its_forward_pass(
             block_keys={1: K[1], 2: K[2]} if position == BS - 1 else {},
             decode=True,
         )
+
+    plain = replace(decode(0), decode=False)
+    for position in range(BS):
+        plan = decode(position)
         buffer[:2] = slots_of(plan, ["b", "a"])
+        # Only a decode step's are read early, once an earlier step's rows
+        # showed that the staged rows stay as they are (on the CPU, no copies).
+        assert live.decode_slot_values(plain, buffer) is None
         values = live.decode_slot_values(plan, buffer)
-        assert values == (None if copy_steps else buffer[:2].tolist())
+        assert values == (None if copy_steps or position == 0 else buffer[:2].tolist())
         # The values stand for the buffer once read: the store keeps them, not
         # what the buffer holds when the rows come (here another step's slots).
         if values is not None:
             buffer[:2] = torch.tensor([7 * BS, 7 * BS + 1])
         computed = rows(10 * position, 2)
         assert live.apply(plan, ["b", "a"], computed, buffer, slot_values=values) == {}
+    assert live.stats.num_steps == BS and live.stats.num_rows_written == 0
     assert live.flush() == {1: K[1], 2: K[2]}
     assert live.stats.num_slot_mismatches == 0 and live.stats.num_decode_steps == BS
     a_rows = torch.cat([rows(10 * position + 1, 1) for position in range(BS)])
@@ -663,6 +686,18 @@ def test_a_decode_step_keeps_the_slot_values_read_before_its_forward_pass(
         live.store.read_blocks(HIDDEN_STATES, [1, 2], [K[1], K[2]]), torch.cat([a_rows, b_rows])
     )
     assert live.store.filled_of(HIDDEN_STATES, 7) == 0
+    if copy_steps:
+        return
+    # A mapping with padding is cut to the step's requests; one without a slot
+    # for each, or a step whose rows would take more than max_staged_bytes, is
+    # not read early (`apply` then writes the step at once).
+    plan = decode(0)
+    assert live.decode_slot_values(plan, torch.tensor([4, 8, -1])) == [4, 8]
+    assert live.decode_slot_values(plan, torch.tensor([4])) is None
+    small = new_live(copy_steps=None, max_staged_bytes=2 * HIDDEN * 4 - 1)
+    run_step(small, plan, ["a", "b"], rows(0, 2), slots_of(plan, ["a", "b"]))
+    assert small.stats.num_rows_written == 2
+    assert small.decode_slot_values(plan, slots_of(plan, ["a", "b"])) is None
     # While a prompt's rows are gathered, decode steps are staged with their
     # slots: none are read early.
     asks = StepPlan(
@@ -671,9 +706,49 @@ def test_a_decode_step_keeps_the_slot_values_read_before_its_forward_pass(
         prompt_requests={"p": 6},
         result_keys={"p": "key-p"},
     )
-    live.apply(asks, ["p"], rows(100, 3), slots_of(asks, ["p"]))
+    run_step(live, asks, ["p"], rows(100, 3), slots_of(asks, ["p"]))
     marked = StepPlan(caching=True, requests=(PlannedRequest("a", 4, 1, (4,)),), decode=True)
     assert live.decode_slot_values(marked, slots_of(marked, ["a"])) is None
+
+
+def test_a_decode_step_staged_as_computed_has_its_rows_counted_before_they_are_written() -> None:
+    # Staged right after the forward pass with its rows as they are (its slot
+    # values read before it): the rows are cut to the step's slots (padding
+    # after them), and a step with fewer rows than slots is refused before any
+    # staged row is written.
+    for padding in (1, -1):
+        live = new_live(copy_steps=None)
+        plans = [
+            StepPlan(
+                caching=True,
+                requests=(
+                    PlannedRequest("a", position, 1, (1,)),
+                    PlannedRequest("b", position, 1, (2,)),
+                ),
+                decode=True,
+            )
+            for position in range(3)
+        ]
+        for position, plan in enumerate(plans):
+            computed = rows(10 * position, 2 + (padding if position == 2 else 0))
+            assert run_step(live, plan, ["a", "b"], computed, slots_of(plan, ["a", "b"])) == {}
+        if padding > 0:
+            assert live.flush() == {}
+            assert live.stats.num_rows_written == 6
+            assert torch.equal(
+                live.store.cached_rows(HIDDEN_STATES)[BS : BS + 3],
+                torch.cat([rows(10 * position, 1) for position in range(3)]),
+            )
+            assert live.store.filled_of(HIDDEN_STATES, 1) == 3
+            continue
+        with pytest.raises(
+            RuntimeError,
+            match=r"^step: expected a row for each of a staged step's 2 slots, found 1 rows; "
+            r"the 3 staged steps are dropped, unwritten$",
+        ):
+            live.flush()
+        assert live.flush() == {} and live.stats.num_rows_written == 0
+        assert live.store.stats.num_writes == 0 and live.store.filled_of(HIDDEN_STATES, 1) == 0
 
 
 def test_deferred_rows_at_slots_other_than_planned_stamp_nothing_of_their_step(
@@ -684,12 +759,12 @@ def test_deferred_rows_at_slots_other_than_planned_stamp_nothing_of_their_step(
     good = decode_step({"a": (3, 1)}, {1: K[1]})
     bad = decode_step({"b": (3, 2)}, {2: K[2]})
     for step, plan in enumerate(decode_step({"a": (s, 1)}, {}) for s in range(3)):
-        live.apply(plan, ["a"], rows(step, 1), slots_of(plan, ["a"]))
+        run_step(live, plan, ["a"], rows(step, 1), slots_of(plan, ["a"]))
     for step, plan in enumerate(decode_step({"b": (s, 2)}, {}) for s in range(3)):
-        live.apply(plan, ["b"], rows(step, 1), slots_of(plan, ["b"]))
-    live.apply(good, ["a"], rows(3, 1), slots_of(good, ["a"]))
+        run_step(live, plan, ["b"], rows(step, 1), slots_of(plan, ["b"]))
+    run_step(live, good, ["a"], rows(3, 1), slots_of(good, ["a"]))
     # Block 2's last row lands in block 6 instead: that step is written without keys.
-    live.apply(bad, ["b"], rows(3, 1), torch.tensor([6 * BS + 3]))
+    run_step(live, bad, ["b"], rows(3, 1), torch.tensor([6 * BS + 3]))
     live.flush()
     assert live.stats.num_slot_mismatches == 1
     assert live.store.stamp_of(HIDDEN_STATES, 1) == K[1]
@@ -706,17 +781,17 @@ def test_a_decode_step_that_clears_blocks_writes_the_staged_rows_only_if_it_clea
     live.store.write_blocks(HIDDEN_STATES, rows(0, BS), [9], block_keys=[K[5]])
     live.store.write_blocks(HIDDEN_STATES, rows(0, BS), [10], block_keys=[K[6]])
     first = decode_step({"a": (0, 2)}, {})
-    live.apply(first, ["a"], rows(1, 1), slots_of(first, ["a"]))
+    run_step(live, first, ["a"], rows(1, 1), slots_of(first, ["a"]))
     # Block 9 (old, stamped) handed out again: its stamp goes, "a"'s row stays staged.
     clears = replace(decode_step({"a": (1, 2)}, {}), cleared_block_ids=(9,), decode=False)
-    live.apply(clears, ["a"], rows(2, 1), slots_of(clears, ["a"]))
+    run_step(live, clears, ["a"], rows(2, 1), slots_of(clears, ["a"]))
     assert live.store.stamp_of(HIDDEN_STATES, 9) is None
     assert live.store.stamp_of(HIDDEN_STATES, 10) == K[6]
     assert live.stats.num_rows_written == 0 and live.store.filled_of(HIDDEN_STATES, 2) == 0
     # Block 2, holding the staged rows, handed out again (its request preempted):
     # they are written first, then its stamp and rows cleared, as step by step.
     again = replace(decode_step({"b": (0, 10)}, {}), cleared_block_ids=(2, 10), decode=False)
-    live.apply(again, ["b"], rows(3, 1), slots_of(again, ["b"]))
+    run_step(live, again, ["b"], rows(3, 1), slots_of(again, ["b"]))
     assert live.stats.num_rows_written == 2
     assert live.store.filled_of(HIDDEN_STATES, 2) == 0
     assert live.store.stamp_of(HIDDEN_STATES, 10) is None
@@ -749,7 +824,7 @@ def test_staged_steps_of_changing_batch_and_padding_are_written_as_computed_on_e
         # Two padding rows and slots after the step's own.
         values = torch.cat([rows(10 * step, len(order)), rows(-1, 2)])
         for live in (leader, follower):
-            assert live.apply(plan, order, values, slots_of(plan, order, padding=2)) == {}
+            assert run_step(live, plan, order, values, slots_of(plan, order, padding=2)) == {}
     # Steps of another batch order and size wait alongside the others.
     assert leader.stats.num_rows_written == follower.stats.num_rows_written == 0
     assert leader.flush() == follower.flush() == {2: K[2]}
@@ -771,10 +846,10 @@ def test_a_staged_block_a_later_step_rewrites_at_unplanned_slots_is_not_reported
     live = new_live(copy_steps=copy_steps)
     for position in range(BS):
         plan = decode_step({"a": (position, 1)}, {1: K[1]} if position == BS - 1 else {})
-        live.apply(plan, ["a"], rows(position, 1), slots_of(plan, ["a"]))
+        run_step(live, plan, ["a"], rows(position, 1), slots_of(plan, ["a"]))
     # Planned into block 3; its row lands at block 1's first slot.
     stray = decode_step({"b": (0, 3)}, {})
-    live.apply(stray, ["b"], rows(50, 1), torch.tensor([1 * BS]))
+    run_step(live, stray, ["b"], rows(50, 1), torch.tensor([1 * BS]))
     assert live.flush() == {}
     assert live.stats.num_slot_mismatches == 1
     assert live.store.stamp_of(HIDDEN_STATES, 1) is None
@@ -803,7 +878,7 @@ def test_staged_rows_are_written_once_they_take_max_staged_bytes_on_every_rank(
     for position in range(BS):
         plan = decode_step({"a": (position, 1)}, {1: K[1]} if position == BS - 1 else {})
         for name, store in (("live", live), ("follower", follower)):
-            stamped = store.apply(plan, ["a"], rows(position, 1), slots_of(plan, ["a"]))
+            stamped = run_step(store, plan, ["a"], rows(position, 1), slots_of(plan, ["a"]))
             written[name].append((store.stats.num_rows_written, stamped))
     # The fourth step's rows would take more than the bytes: the three staged
     # are written first, and it waits.
@@ -813,7 +888,7 @@ def test_staged_rows_are_written_once_they_take_max_staged_bytes_on_every_rank(
     # A step whose rows alone would take more is written at once.
     plan = StepPlan(caching=True, requests=(PlannedRequest("b", 0, 4, (2,)),), block_keys={2: K[2]})
     for store in (live, follower):
-        assert store.apply(plan, ["b"], rows(7, 4), slots_of(plan, ["b"])) == {2: K[2]}
+        assert run_step(store, plan, ["b"], rows(7, 4), slots_of(plan, ["b"])) == {2: K[2]}
         assert store.stats.num_rows_written == 2 * BS
     assert torch.equal(live.store.read_blocks(HIDDEN_STATES, [2], [K[2]]), rows(7, BS))
     with pytest.raises(ValueError, match="max_staged_bytes"):
@@ -843,7 +918,7 @@ def test_start_forward_writes_before_the_forward_pass_the_staged_rows_apply_woul
             if live is first:
                 live.start_forward(plan)
             before = live.stats.num_rows_written
-            live.apply(plan, ["a"], rows(position, 1), slots_of(plan, ["a"]))
+            run_step(live, plan, ["a"], rows(position, 1), slots_of(plan, ["a"]))
             written[name].append((before, live.stats.num_rows_written))
     assert written["first"] == [(0, 0), (0, 0), (0, 0), (3, 3)]
     assert written["after"] == [(0, 0), (0, 0), (0, 0), (0, 3)]
@@ -855,7 +930,7 @@ def test_start_forward_writes_before_the_forward_pass_the_staged_rows_apply_woul
     for position in range(BS, 2 * BS):
         plan = decode_step({"a": (position, 2)}, {2: K[2]} if position == 2 * BS - 1 else {})
         first.start_forward(plan)
-        first.apply(plan, ["a"], rows(50 + position, 1), slots_of(plan, ["a"]))
+        run_step(first, plan, ["a"], rows(50 + position, 1), slots_of(plan, ["a"]))
     assert first.stats.num_rows_written == BS + 3
     hit = StepPlan(
         caching=True,
@@ -865,7 +940,7 @@ def test_start_forward_writes_before_the_forward_pass_the_staged_rows_apply_woul
     )
     first.start_forward(hit)
     assert first.stats.num_rows_written == 2 * BS
-    first.apply(hit, ["c"], rows(90, 1), slots_of(hit, ["c"]))
+    run_step(first, hit, ["c"], rows(90, 1), slots_of(hit, ["c"]))
     (got,) = first.take({"c": "key-c"}).values()
     want = torch.cat([rows(0, BS), rows(50 + BS, BS), rows(90, 1)])
     assert torch.equal(got, want)  # type: ignore[arg-type]
@@ -877,7 +952,7 @@ def test_start_forward_writes_before_the_forward_pass_the_staged_rows_apply_woul
         position = BS + step
         plan = decode_step({"a": (position, 1 + position // BS)}, {})
         live.start_forward(plan)
-        live.apply(plan, ["a"], rows(step, 1), slots_of(plan, ["a"]))
+        run_step(live, plan, ["a"], rows(step, 1), slots_of(plan, ["a"]))
     assert live.stats.num_rows_written == MAX_DEFERRED_STEPS - 1
     # Twice for one plan: the second does nothing.
     live.start_forward(plan)
@@ -894,9 +969,9 @@ def test_a_staged_step_at_a_slot_outside_the_store_is_refused_before_any_write(
     live = new_live(copy_steps=copy_steps)
     for position in range(2):
         plan = decode_step({"a": (position, 1)}, {})
-        live.apply(plan, ["a"], rows(position, 1), slots_of(plan, ["a"]))
+        run_step(live, plan, ["a"], rows(position, 1), slots_of(plan, ["a"]))
     plan = decode_step({"a": (2, 1)}, {})
-    live.apply(plan, ["a"], rows(2, 1), torch.tensor([8 * BS]))
+    run_step(live, plan, ["a"], rows(2, 1), torch.tensor([8 * BS]))
     found = r"found \[32\] \(planned \[6\]\) in staged step 3 of 3"
     with pytest.raises(IndexError, match=r"expected the forward pass's slots in 0\.\.31, " + found):
         live.flush()
@@ -929,7 +1004,7 @@ def test_prefill_chunks_and_decode_tokens_wait_together_until_a_hit_reads_them(
     )
     # Padding after the second step's rows and slots.
     values = torch.cat([a_rows[6:], rows(51, 1), rows(-1, 3)])
-    assert live.apply(second, ["a", "b"], values, slots_of(second, ["a", "b"], padding=3)) == {}
+    assert run_step(live, second, ["a", "b"], values, slots_of(second, ["a", "b"], padding=3)) == {}
     assert live.stats.num_rows_written == 0 and live.store.stamp_of(HIDDEN_STATES, 1) is None
     # "c" hits blocks 1 and 2 and asks for its prompt's rows: the staged rows
     # are written first (one write, every step's keys), then read.
@@ -940,7 +1015,7 @@ def test_prefill_chunks_and_decode_tokens_wait_together_until_a_hit_reads_them(
         result_keys={"c": "key-c"},
     )
     writes = live.store.stats.num_writes
-    assert live.apply(hit, ["c"], rows(900, 1), slots_of(hit, ["c"])) == {1: K[1], 2: K[2]}
+    assert run_step(live, hit, ["c"], rows(900, 1), slots_of(hit, ["c"])) == {1: K[1], 2: K[2]}
     assert live.store.stats.num_writes == writes + 2  # the staged steps', then c's
     (c_rows,) = live.take({"c": "key-c"}).values()
     assert torch.equal(c_rows, torch.cat([a_rows[:8], rows(900, 1)]))  # type: ignore[arg-type]
@@ -959,10 +1034,10 @@ def test_a_staged_prefill_step_at_other_slots_than_planned_stamps_none_of_its_bl
     bad = StepPlan(
         caching=True, requests=(PlannedRequest("b", 0, 8, (2, 3)),), block_keys={2: K[2], 3: K[3]}
     )
-    live.apply(good, ["a"], rows(0, 4), slots_of(good, ["a"]))
+    run_step(live, good, ["a"], rows(0, 4), slots_of(good, ["a"]))
     # The second half of b's rows lands in block 6 instead of block 3.
     found = torch.tensor([8, 9, 10, 11, 24, 25, 26, 27])
-    live.apply(bad, ["b"], rows(10, 8), found)
+    run_step(live, bad, ["b"], rows(10, 8), found)
     assert live.flush() == {1: K[1]}
     assert live.stats.num_slot_mismatches == 1
     assert [live.store.stamp_of(HIDDEN_STATES, block) for block in (1, 2, 3, 6)] == [
@@ -1028,7 +1103,7 @@ def test_steps_that_gather_finish_or_hit_other_blocks_wait_alike_on_every_rank(
     for step, (plan, order) in enumerate(steps):
         num = sum(item.num_new for item in plan.requests)
         for live in (leader, follower):
-            assert live.apply(plan, order, rows(10 * step, num), slots_of(plan, order)) == {}
+            assert run_step(live, plan, order, rows(10 * step, num), slots_of(plan, order)) == {}
             assert live.stats.num_rows_written == 0
     # Every result is there before the rows are written.
     taken = leader.take({"a": "key-a", "s": "key-s", "h": "key-h"})
@@ -1057,7 +1132,7 @@ def test_a_hit_on_a_block_its_own_step_fills_writes_the_step_at_once(
         prompt_requests={"b": 5},
         result_keys={"b": "key-b"},
     )
-    assert live.apply(plan, ["a", "b"], rows(0, 5), slots_of(plan, ["a", "b"])) == {1: K[1]}
+    assert run_step(live, plan, ["a", "b"], rows(0, 5), slots_of(plan, ["a", "b"])) == {1: K[1]}
     assert live.stats.num_rows_written == 5 and live.stats.num_stale_hit_blocks == 0
     (b_rows,) = live.take({"b": "key-b"}).values()
     assert torch.equal(b_rows, rows(0, 5))  # type: ignore[arg-type]
@@ -1081,7 +1156,7 @@ def test_on_the_cpu_a_step_of_more_than_max_host_step_bytes_is_written_at_once(
         block_ids = tuple(range(first_block, first_block + num // bs))
         plan = StepPlan(caching=True, requests=(PlannedRequest(req_id, 0, num, block_ids),))
         values = torch.arange(num * hidden, dtype=torch.float32).view(num, hidden)
-        live.apply(plan, [req_id], values, torch.tensor(planned_slots(plan.requests, bs)))
+        run_step(live, plan, [req_id], values, torch.tensor(planned_slots(plan.requests, bs)))
         written.append(live.stats.num_rows_written)
     # "a" waits; "b" (9 blocks, over the bytes) is written at once, "a" first.
     assert written == [0, fits + fits + bs]
@@ -1098,11 +1173,12 @@ def test_a_prefill_step_and_the_decode_steps_after_it_are_written_apart(
         requests=(PlannedRequest("a", 0, 4, (1,)), PlannedRequest("b", 0, 4, (2,))),
         block_keys={1: K[1], 2: K[2]},
     )
-    assert live.apply(prefill, ["a", "b"], rows(0, 8), slots_of(prefill, ["a", "b"])) == {}
+    assert run_step(live, prefill, ["a", "b"], rows(0, 8), slots_of(prefill, ["a", "b"])) == {}
     for step in range(3):
         plan = decode_step({"a": (4 + step, 3), "b": (4 + step, 4)}, {})
         assert (
-            live.apply(plan, ["b", "a"], rows(100 + 10 * step, 2), slots_of(plan, ["b", "a"])) == {}
+            run_step(live, plan, ["b", "a"], rows(100 + 10 * step, 2), slots_of(plan, ["b", "a"]))
+            == {}
         )
     assert live.stats.num_rows_written == 0
     # Two writes: the prefill step's rows, then the decode steps' request by request.
@@ -1131,7 +1207,7 @@ def test_staged_steps_of_more_runs_than_max_flush_writes_are_written_in_one(
         plan = decode_step({"a": (step, 3 + step // BS), "b": (step, 8 + step // BS)}, {})
         order = orders[step // 2 % 2]
         values = rows(10 * step, 2)
-        assert live.apply(plan, order, values, slots_of(plan, order)) == {}
+        assert run_step(live, plan, order, values, slots_of(plan, order)) == {}
     assert live.flush() == {}
     assert live.store.stats.num_writes == 1 and live.stats.num_rows_written == 2 * num_steps
     cached = live.store.cached_rows(HIDDEN_STATES)
@@ -1151,7 +1227,7 @@ def test_staged_runs_that_plan_a_slot_twice_are_refused_before_any_write(
     steps = [(prefill, rows(0, 4))]
     steps += [(decode_step({"a": (position, 1)}, {}), rows(position, 1)) for position in (2, 3)]
     for plan, values in steps:
-        assert live.apply(plan, ["a"], values, slots_of(plan, ["a"])) == {}
+        assert run_step(live, plan, ["a"], values, slots_of(plan, ["a"])) == {}
     with pytest.raises(ValueError, match=r"expected distinct slots, found slot 6"):
         live.flush()
     assert live.store.stats.num_writes == 0 and live.stats.num_rows_written == 0
@@ -1170,25 +1246,47 @@ def test_on_the_cpu_a_model_that_reuses_its_output_is_refused_before_a_staged_ro
     copying = new_live(copy_steps=True)
     for position, plan in enumerate(plans):
         buffer.copy_(rows(position, 2))
-        copying.apply(plan, ["a"], buffer[:1], slots_of(plan, ["a"]))
+        run_step(copying, plan, ["a"], buffer[:1], slots_of(plan, ["a"]))
     # Copies: every step's rows as computed.
     assert copying.flush() == {1: K[1]}
     assert torch.equal(copying.store.read_blocks(HIDDEN_STATES, [1], [K[1]]), rows(0, 4))
     # The CPU's rows kept as computed: the second step's rows are where the first's
-    # are, which they overwrote; refused, and nothing staged is ever written.
+    # are, which they overwrote. Staged as they come (right after the forward
+    # pass), they are refused before anything writes them: nothing staged is
+    # ever written.
     live = new_live(copy_steps=None)
     buffer.copy_(rows(0, 2))
-    assert live.apply(plans[0], ["a"], buffer[:1], slots_of(plans[0], ["a"])) == {}
+    assert run_step(live, plans[0], ["a"], buffer[:1], slots_of(plans[0], ["a"])) == {}
     buffer.copy_(rows(1, 2))
-    with pytest.raises(RuntimeError, match=r"found this step's rows where a staged step's are"):
-        live.apply(plans[1], ["a"], buffer[:1], slots_of(plans[1], ["a"]))
+    assert run_step(live, plans[1], ["a"], buffer[:1], slots_of(plans[1], ["a"])) == {}
+    with pytest.raises(
+        RuntimeError,
+        match=r"found a staged step's rows where a staged step's are: the model reuses its "
+        r"output; the 2 staged steps' rows were overwritten and are dropped, unwritten$",
+    ):
+        live.flush()
     assert live.flush() == {}
     assert live.stats.num_rows_written == 0 and live.store.filled_of(HIDDEN_STATES, 1) == 0
+    # So is a hit on their block, which writes them first.
+    for plan in plans[:2]:
+        run_step(live, plan, ["a"], buffer[:1], slots_of(plan, ["a"]))
+    reads = StepPlan(caching=True, requests=(PlannedRequest("h", 4, 1, (3,), (1,), (K[1],)),))
+    with pytest.raises(
+        RuntimeError,
+        match=r"found a staged step's rows where a staged step's are: the model reuses its "
+        r"output; the 2 staged steps' rows were overwritten",
+    ):
+        run_step(live, reads, ["h"], rows(9, 1), slots_of(reads, ["h"]))
+    assert live.flush() == {} and live.stats.num_rows_written == 0
     # A step written at once (it resets the store) is refused the same way.
-    live.apply(plans[0], ["a"], buffer[:1], slots_of(plans[0], ["a"]))
+    run_step(live, plans[0], ["a"], buffer[:1], slots_of(plans[0], ["a"]))
     hit = StepPlan(caching=True, requests=(PlannedRequest("a", 1, 1, (1,), (), ()),), reset=True)
-    with pytest.raises(RuntimeError, match=r"the 1 staged steps' rows were overwritten"):
-        live.apply(hit, ["a"], buffer[:1], slots_of(hit, ["a"]))
+    with pytest.raises(
+        RuntimeError,
+        match=r"found this step's rows where a staged step's are: the model reuses its "
+        r"output; the 1 staged steps' rows were overwritten",
+    ):
+        run_step(live, hit, ["a"], buffer[:1], slots_of(hit, ["a"]))
     assert live.flush() == {} and live.stats.num_rows_written == 0
     with pytest.raises(TypeError, match="copy_steps: expected a bool or None, found int"):
         LiveStore(live.store, max_results=8, copy_steps=1)  # type: ignore[arg-type]

@@ -284,8 +284,11 @@ class LiveStore:
         # write in `begin` stamped (saved to the tier by `apply`).
         self._staged = Staged(store.block_size)
         self._flushed: dict[int, BlockHash] = {}
-        # The model's bytes a row (`start_forward`), as the last staged step's.
+        # The model's bytes a row (`start_forward`), as the last staged step's;
+        # the same when that step kept its rows as they are, else 0
+        # (`decode_slot_values`).
         self._row_bytes = 0
+        self._host_row_bytes = 0
         self.store = store
         self.tier = tier
         self.scorer = scorer
@@ -419,18 +422,33 @@ class LiveStore:
             self.tier.close()
 
     def decode_slot_values(self, plan: StepPlan, slot_mapping: torch.Tensor) -> list[int] | None:
-        """The values of a steady decode step's slots, when `apply` keeps them; else None.
+        """The values of a steady decode step's slots, if its rows will wait as they are; else None.
 
         The worker reads them before the step's forward pass, where vLLM has
         just written them (after it, the same read took 8 us against 5), and
-        hands them to `apply`. A decode step (`StepPlan.decode`) staged
-        by its plan keeps its slots' values when its rows stay where they
-        are: on the CPU, unless ``copy_steps`` (`_stage`).
+        hands them to `apply`, which then only stages the step (its rows and
+        these values, its plan and batch order): every check that needs no
+        rows is made here, before the forward pass, where each costs about
+        half. Such a step is a decode step (`StepPlan.decode`) while no
+        prompt is being gathered, once the staged steps keep the model's rows
+        themselves and their slots' values (on the CPU, unless
+        ``copy_steps``: `_stage`; learned from an earlier step's rows), whose
+        rows may wait (within ``max_staged_bytes`` and `MAX_HOST_STEP_BYTES`).
+        The rows' count is checked when the step is resolved
+        (`staged_steps.Staged.resolve`).
         """
-        if not plan.decode or self._prompts or self.copy_steps or not slot_mapping.is_cpu:
+        row_bytes = self._host_row_bytes
+        if not (row_bytes and plan.decode) or self._prompts:
             return None
         num = len(plan.requests)
-        return (slot_mapping if slot_mapping.shape[0] == num else slot_mapping[:num]).tolist()
+        if num * row_bytes > self.max_staged_bytes or num * row_bytes > MAX_HOST_STEP_BYTES:
+            return None
+        # NOTE: the whole mapping, then the list cut: a slice and a shape are
+        # two more calls into torch.
+        values: list[int] = slot_mapping.tolist()
+        if len(values) == num:
+            return values
+        return values[:num] if len(values) > num else None
 
     def apply(
         self,
@@ -451,7 +469,8 @@ class LiveStore:
             slot_mapping: the forward pass's slot of each row (padding after
                 the scheduled tokens).
             slot_values: `decode_slot_values` of the step, read before its
-                forward pass (None: read here when needed).
+                forward pass: the step is then only staged (None: the step
+                is applied as its plan and rows say).
 
         Returns:
             Block id -> key of the blocks the step's rows stamped (saved to
@@ -460,6 +479,23 @@ class LiveStore:
         Raises:
             RuntimeError: the rows' requests are not the plan's.
         """
+        if slot_values is not None and hidden_states is not None:
+            # NOTE: a steady decode step whose rows wait as they are
+            # (`decode_slot_values` checked the rest before the forward pass):
+            # staged, nothing else. Right after the forward pass, each
+            # statement costs several times what it does before it or later.
+            waiting = self._staged
+            self._stats.num_steps += 1
+            self._begun = plan
+            nbytes = len(slot_values) * self._host_row_bytes
+            stamped = self.flush() if waiting.nbytes + nbytes > self.max_staged_bytes else {}
+            waiting.decode.append((hidden_states, slot_values, plan, batch_order))
+            waiting.nbytes += nbytes
+            if len(waiting.steps) + len(waiting.decode) >= MAX_DEFERRED_STEPS:
+                stamped.update(self.flush())
+            if plan.finished_req_ids:
+                self._finish_requests(plan.finished_req_ids)
+            return stamped
         store = self.store
         self._stats.num_steps += 1
         if hidden_states is not None and slot_mapping is not None:
@@ -482,29 +518,29 @@ class LiveStore:
                 nbytes = num * row_bytes
                 num_slots = slot_mapping.shape[0]
                 on_cpu = hidden_states.is_cpu
+                copy = not on_cpu if self.copy_steps is None else self.copy_steps
+                self._host_row_bytes = 0 if copy or not on_cpu else row_bytes
                 if (
                     nbytes <= self.max_staged_bytes
                     and (nbytes <= MAX_HOST_STEP_BYTES or not on_cpu)
                     and num_given >= num
                     and num_slots >= num
                 ):
-                    copy = self.copy_steps
                     stamped = self._stage(
                         plan,
                         staged,
                         nbytes,
-                        not on_cpu if copy is None else copy,
+                        copy,
                         batch_order,
                         hidden_states if num_given == num else hidden_states[:num],
                         slot_mapping if num_slots == num else slot_mapping[:num],
-                        slot_values,
                     )
                     if staged is not None and (staged[2] or self._prompts):
                         self._read(batch_requests(plan, batch_order), hidden_states)
                     if plan.finished_req_ids:
                         self._finish_requests(plan.finished_req_ids)
                     return stamped
-        if self._staged.kept and hidden_states is not None:
+        if hidden_states is not None and (self._staged.steps or self._staged.decode):
             # NOTE: before `begin`, which may write the staged rows.
             self._staged.fresh_rows(hidden_states)
         self.begin(plan)
@@ -604,7 +640,6 @@ class LiveStore:
         batch_order: Sequence[str],
         hidden_states: torch.Tensor,
         slot_mapping: torch.Tensor,
-        slot_values: list[int] | None,
     ) -> dict[int, BlockHash]:
         """The write of `apply` for a step whose rows may wait; the blocks stamped.
 
@@ -618,10 +653,9 @@ class LiveStore:
         ``hidden_states`` and ``slot_mapping``: the step's, padding left out
         (whole tensors when the step has none: a slice is one more op);
         ``copy``: whether the step keeps copies (below: ``copy_steps``, or
-        whether the rows are on a device); ``slot_values``: a decode step's
-        slots' values, read before its forward pass (`decode_slot_values`),
-        or None. `staged_steps.write_staged` compares the slots with the
-        plan's.
+        whether the rows are on a device). `staged_steps.write_staged`
+        compares the slots with the plan's. (A steady decode step whose rows
+        wait as they are is staged by `apply` itself: `decode_slot_values`.)
 
         On a device the step keeps a copy of its rows and of its slot
         mapping, made there: reading a value of either would make the step
@@ -630,18 +664,15 @@ class LiveStore:
         the step keeps its slots' values, and the model's rows themselves,
         which are new memory each step there (vLLM's CPU backend replays no
         graph), so a copy would only be work. Were they not new memory, a
-        later step's rows would start where a staged step's do, and that step
-        is refused before anything is written (`Staged.fresh_rows`).
+        later step's rows would start where a staged step's do: the staged
+        rows are refused before anything writes them, and so is a step
+        written at once whose rows start where a staged step's do
+        (`Staged.fresh_rows`).
         """
         staged = self._staged
-        kept = 0
         rows: torch.Tensor | None = None
         if self.keeps_rows:
-            if copy:
-                rows = hidden_states.clone()
-            else:
-                kept = staged.fresh_rows(hidden_states)
-                rows = hidden_states
+            rows = hidden_states.clone() if copy else hidden_states
         # NOTE: `begin` of such a plan clears stamps (before its rows, as always;
         # writing the staged rows first if any is in a cleared block) and takes
         # new prompts (a decode step's plan does neither).
@@ -651,15 +682,7 @@ class LiveStore:
         stamped: dict[int, BlockHash] = {}
         if staged.nbytes + nbytes > self.max_staged_bytes:
             stamped = self.flush()
-        if kept:
-            staged.kept.add(kept)
-        mapping: torch.Tensor | list[int]
-        if copy:
-            mapping = slot_mapping.clone()
-        elif slot_values is not None and planned is None:
-            mapping = slot_values
-        else:
-            mapping = slot_mapping.tolist()
+        mapping: torch.Tensor | list[int] = slot_mapping.clone() if copy else slot_mapping.tolist()
         if planned is None:
             staged.decode.append((rows, mapping, plan, batch_order))
         else:

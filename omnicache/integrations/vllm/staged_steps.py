@@ -17,14 +17,18 @@ Right after the forward pass, that took about 10 of the 41 us
 about 1-1.5 us a step when the staged rows are written, and about 4.5 in a
 step that clears blocks (right after its forward pass, cold).
 A step whose rows turn out not to be its plan's requests is refused then,
-after the steps before it are written.
+after the steps before it are written. On the CPU, once the staged rows
+are the model's own, such a step is checked before its forward pass and
+only staged after it (`LiveStore.decode_slot_values`): the count of its
+rows and where they are, as every staged step's, are checked in one loop
+when the staged steps are taken to be written (`Staged.take`).
 
 What a staged step keeps (`Staged`): on a device (a GPU), a copy of its
 rows and of its slot mapping, made there (no value of either is read: the
 step never waits for the forward pass); on the CPU, where reading waits for
 nothing, its slots' values and the model's rows themselves (`LiveStore`'s
 ``copy_steps``; a model that writes a step's rows where a staged step's are
-is refused, `Staged.fresh_rows`).
+is refused before anything writes them, `Staged.fresh_rows`).
 
 They wait until a step that loads, invalidates, or reads or clears a block
 holding staged rows, or until `MAX_DEFERRED_STEPS` of them wait or one more
@@ -203,9 +207,9 @@ class Staged:
     over many steps.
     ``nbytes``: the bytes of the model's rows they stand for (counted alike
     on every rank; rows kept without a copy hold their step's padding rows
-    too, which vLLM's CPU backend does not add); ``blocks``: the blocks of
-    the planned slots of ``steps``;
-    ``kept``: where the model's own rows kept without a copy start.
+    too, which vLLM's CPU backend does not add; a follower's decode step
+    keeps the model's rows until written, for their count); ``blocks``: the
+    blocks of the planned slots of ``steps``.
     """
 
     block_size: int
@@ -213,7 +217,6 @@ class Staged:
     decode: list[_DecodeStep] = field(default_factory=list)
     nbytes: int = 0
     blocks: set[int] = field(default_factory=set)
-    kept: set[int] = field(default_factory=set)
 
     def holds(self, block_ids: Sequence[int]) -> bool:
         """Whether any of ``block_ids`` holds rows of ``steps`` (at their planned slots)."""
@@ -224,7 +227,8 @@ class Staged:
 
         Each step's slots and blocks are `staged_slots`'s, in its rows' order
         (the model runner's batch order), once its requests are seen to be
-        decode tokens (`StepPlan.decode` checks the rest of the plan).
+        decode tokens (`StepPlan.decode` checks the rest of the plan). Its
+        rows are left as they are (`take` cuts them).
 
         Raises:
             RuntimeError: a step's rows are not its plan's requests, or one of
@@ -255,30 +259,74 @@ class Staged:
 
     def take(self) -> list[_StagedStep]:
         """Empties the staged steps, those staged by their plans too; returns ``steps``, in
-        order (`resolve` first)."""
-        steps = self.steps
-        self.steps, self.decode, self.nbytes, self.blocks, self.kept = [], [], 0, set(), set()
-        return steps
+        order (`resolve` first), once their rows are seen in place (`fresh_rows`), each
+        cut to its slots.
 
-    def fresh_rows(self, hidden_states: torch.Tensor) -> int:
-        """Where a step's rows start, checked to be none of the rows kept without a copy.
+        A decode step staged as computed (`LiveStore.decode_slot_values`)
+        keeps the model's rows, padding included (a follower's too: every
+        rank checks their count); their count is checked here, in one loop
+        over the steps, rather than right after its forward pass.
 
         Raises:
-            RuntimeError: the model wrote this step's rows where a staged
-                step's are (it reuses its output); the staged steps are
+            RuntimeError: as `fresh_rows`, or a step has fewer rows than
+                slots; the staged steps are dropped, unwritten.
+        """
+        self.fresh_rows(None)
+        steps = self._empty()
+        for index, (rows, mapping, slots, keys, order) in enumerate(steps):
+            if rows is None or rows.shape[0] == len(slots):
+                continue
+            if rows.shape[0] < len(slots):
+                raise RuntimeError(
+                    f"step: expected a row for each of a staged step's {len(slots)} slots, "
+                    f"found {rows.shape[0]} rows; the {len(steps)} staged steps are dropped, "
+                    "unwritten"
+                )
+            steps[index] = (rows[: len(slots)], mapping, slots, keys, order)
+        return steps
+
+    def _empty(self) -> list[_StagedStep]:
+        steps = self.steps
+        self.steps, self.decode, self.nbytes, self.blocks = [], [], 0, set()
+        return steps
+
+    def fresh_rows(self, hidden_states: torch.Tensor | None) -> None:
+        """Checks that the staged rows start at as many places as there are steps, and
+        ``hidden_states`` (a step's rows written at once, or None) at none of them.
+
+        A staged step on the CPU keeps the model's rows without a copy; a
+        model that wrote a later step's rows where they are (it reuses its
+        output) overwrote them. Checked before anything writes them (`take`,
+        and `LiveStore` before a step written at once), in one loop over the
+        steps, rather than as each step is staged, right after its forward
+        pass. Copies (a device's, ``copy_steps``) are new memory: never one
+        place twice.
+
+        Raises:
+            RuntimeError: two staged steps' rows, or ``hidden_states`` and a
+                staged step's, start at one place; the staged steps are
                 dropped, unwritten, so nothing they held is ever served.
         """
-        start = hidden_states.data_ptr()
-        if start in self.kept:
-            num = len(self.steps) + len(self.decode)
-            self.take()
-            raise RuntimeError(
-                "step: expected the model's rows of each step in new memory on the CPU (a "
-                "staged step keeps them without a copy), found this step's rows where a "
-                f"staged step's are: the model reuses its output; the {num} staged steps' "
-                "rows were overwritten and are dropped, unwritten"
-            )
-        return start
+        starts = [
+            rows.data_ptr()
+            for rows in chain((step[0] for step in self.steps), (step[0] for step in self.decode))
+            if rows is not None
+        ]
+        distinct = set(starts)
+        if len(distinct) != len(starts):
+            where = "a staged step's"
+        elif hidden_states is not None and hidden_states.data_ptr() in distinct:
+            where = "this step's"
+        else:
+            return
+        num = len(self.steps) + len(self.decode)
+        self._empty()
+        raise RuntimeError(
+            "step: expected the model's rows of each step in new memory on the CPU (a "
+            f"staged step keeps them without a copy), found {where} rows where a "
+            f"staged step's are: the model reuses its output; the {num} staged steps' "
+            "rows were overwritten and are dropped, unwritten"
+        )
 
 
 class Written(NamedTuple):

@@ -333,7 +333,10 @@ class _Capture:
         # NOTE: the step's slots and batch order are read before the forward
         # pass, where vLLM has just written them: after it, which leaves the
         # host's caches cold, the same reads took twice as long (18 us against
-        # 9, in a decode step whose capture took about 37 us).
+        # 9, in a decode step whose capture took about 37 us). So are a steady
+        # decode step's slot values, with every check of it that needs no
+        # rows (`LiveStore.decode_slot_values`): after it, `apply` only
+        # stages such a step.
         mapping = get_forward_context().slot_mapping
         if not isinstance(mapping, dict) or self.layer_name not in mapping:
             raise RuntimeError(
