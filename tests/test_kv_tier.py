@@ -415,3 +415,30 @@ def test_kv_caches_of_another_physical_layout_load_through_the_view(config: Tier
     assert again_tier.load(again, LoadOrder("r", (3, 4), (K[0], K[1]))) == 2
     assert_same_kv(again_kv, kv, {3: 1, 4: 2})
     again_tier.close()
+
+
+def test_a_block_cleared_after_its_staged_rows_are_written_is_not_saved(
+    config: TierConfig,
+) -> None:
+    # Block 1's rows wait (staged) when vLLM hands it out again: the step's
+    # clear writes them first, then clears the block, which the tier never
+    # gets (its rows are no longer the key's).
+    st = store()
+    live = LiveStore(st, max_results=8, tier=WorkerTier(config, caches(seed=3), st))
+    prefill = StepPlan(
+        caching=True, requests=(PlannedRequest("a", 0, BS, (1,)),), block_keys={1: K[0]}
+    )
+    values = torch.arange(BS * HIDDEN, dtype=torch.float32).reshape(BS, HIDDEN)
+    assert live.apply(prefill, ["a"], values, torch.arange(BS, 2 * BS)) == {}
+    clears = StepPlan(
+        caching=True,
+        requests=(PlannedRequest("b", 0, 1, (1,)),),
+        cleared_block_ids=(1,),
+        finished_req_ids=("a",),
+    )
+    assert live.apply(clears, ["b"], values[:1], torch.tensor([BS])) == {}
+    assert live.stats.num_rows_written == BS and live.store.stamp_of(HIDDEN_STATES, 1) is None
+    assert live.flush() == {}
+    assert live.tier is not None and live.tier.flush(10.0)
+    assert live.tier.stats.num_saved_blocks == 0
+    live.close()

@@ -332,17 +332,28 @@ class LiveStore:
         ):
             # NOTE: the staged rows were written before anything this plan does.
             self._flushed.update(self._write_pending())
-        store = self.store
         if plan.reset:
-            store.invalidate_all()
+            self.store.invalidate_all()
+            self._flushed.clear()
         if plan.cleared_block_ids:
-            store.invalidate(plan.cleared_block_ids)
-            self._stats.num_cleared_blocks += len(plan.cleared_block_ids)
+            self._clear(plan.cleared_block_ids)
         if not self.keeps_results:
             return
         for req_id, num_tokens in plan.prompt_requests.items():
             every = req_id in plan.sequence_requests
             self._prompts[req_id] = _Prompt(None if every else num_tokens, plan.result_keys[req_id])
+
+    def _clear(self, block_ids: Sequence[int]) -> None:
+        """Clears the stamps of blocks vLLM handed out again; the tier gets none of them.
+
+        A block the staged rows stamped when written first (`begin`) holds
+        them no more: it leaves the blocks saved to the tier after the step.
+        """
+        self.store.invalidate(block_ids)
+        self._stats.num_cleared_blocks += len(block_ids)
+        if self._flushed:
+            for block_id in block_ids:
+                self._flushed.pop(block_id, None)
 
     def start_forward(self, plan: StepPlan) -> None:
         """`begin`, before the step's forward pass, writing first the staged rows the
