@@ -19,7 +19,11 @@ from omnicache.integrations.vllm.plan import (
     block_ids_of,
     planned_slots,
 )
-from omnicache.integrations.vllm.staged_steps import MAX_STAGED_BYTES, default_max_staged_bytes
+from omnicache.integrations.vllm.staged_steps import (
+    MAX_DEFERRED_STEPS,
+    MAX_STAGED_BYTES,
+    default_max_staged_bytes,
+)
 from omnicache.store import HIDDEN_STATES, TensorStore
 
 BS = 4  # tokens per block
@@ -523,7 +527,6 @@ def test_decode_steps_write_their_rows_before_anything_reads_the_store(
     copy_steps: bool | None,
     decode_step: DecodeStep,
 ) -> None:
-    from omnicache.integrations.vllm.staged_steps import MAX_DEFERRED_STEPS
 
     # Blocks enough for MAX_DEFERRED_STEPS more decode steps of one request.
     live = new_live(copy_steps=copy_steps, num_blocks=8 + MAX_DEFERRED_STEPS // BS)
@@ -603,7 +606,7 @@ def test_a_decode_step_with_rows_of_other_requests_is_refused_after_the_staged_r
     assert live.stats.num_rows_written == 4
 
 
-def test_a_decode_step_is_marked_only_when_it_clears_resets_invalidates_loads_and_asks_nothing(
+def test_a_decode_step_is_marked_only_when_it_resets_invalidates_loads_and_asks_nothing(
     copy_steps: bool | None,
 ) -> None:
     step = (PlannedRequest("a", 4, 1, (1,)),)
@@ -611,7 +614,6 @@ def test_a_decode_step_is_marked_only_when_it_clears_resets_invalidates_loads_an
         ("caching", False),
         ("requests", ()),
         ("prompt_requests", {"a": 6}),
-        ("cleared_block_ids", (3,)),
         ("reset", True),
         ("invalidated_block_ids", (3,)),
         ("loads", (LoadOrder("w", (3,), (K[3],)),)),
@@ -619,6 +621,16 @@ def test_a_decode_step_is_marked_only_when_it_clears_resets_invalidates_loads_an
         fields: dict[str, object] = {"caching": True, "requests": step, name: value}
         with pytest.raises(ValueError, match=r"^decode: expected a cached step of requests that"):
             StepPlan(decode=True, **fields)  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError,
+        match=r"^decode: expected a cached step of requests that resets, invalidates, loads and "
+        r"asks for nothing, found caching=True, 1 requests, prompt_requests=\[\], reset=True, "
+        r"invalidated_block_ids=\(\), 0 loads$",
+    ):
+        StepPlan(caching=True, requests=step, reset=True, decode=True)
+    # It may clear blocks (the scheduler's mirror marks it so only when no recent
+    # plan wrote rows to them: `test_a_decode_step_clears_blocks_...`).
+    assert StepPlan(caching=True, requests=step, cleared_block_ids=(3,), decode=True).decode
     # A request that is not one decode token in one block without a hit: refused
     # when the steps are resolved, after the steps staged before it are written.
     live = new_live(copy_steps=copy_steps)
@@ -709,6 +721,52 @@ def test_a_decode_step_keeps_the_slot_values_read_before_its_forward_pass(
     run_step(live, asks, ["p"], rows(100, 3), slots_of(asks, ["p"]))
     marked = StepPlan(caching=True, requests=(PlannedRequest("a", 4, 1, (4,)),), decode=True)
     assert live.decode_slot_values(marked, slots_of(marked, ["a"])) is None
+
+
+def test_a_decode_step_that_clears_blocks_first_writes_the_rows_staged_plans_that_old_before(
+    copy_steps: bool | None,
+) -> None:
+    # A decode step may clear blocks that no plan of the MAX_DEFERRED_STEPS before
+    # it wrote rows to (`StepPlan.decode`): rows staged from older plans are
+    # written first; the step is staged either way.
+    live = new_live(copy_steps=copy_steps)
+    live.store.write(HIDDEN_STATES, rows(50, BS), list(range(5 * BS, 6 * BS)), block_keys={5: K[5]})
+    prefill = StepPlan(
+        caching=True, requests=(PlannedRequest("a", 0, BS, (1,)),), block_keys={1: K[1]}
+    )
+    assert run_step(live, prefill, ["a"], rows(0, BS), slots_of(prefill, ["a"])) == {}
+
+    def decode(number: int, position: int, cleared: tuple[int, ...]) -> StepPlan:
+        return StepPlan(
+            caching=True,
+            requests=(PlannedRequest("b", position, 1, (2,)),),
+            cleared_block_ids=cleared,
+            decode=True,
+            number=number,
+        )
+
+    # Plan 1 clears block 5: the staged rows wait on; block 5 loses its stamp.
+    plan = decode(1, 0, (5,))
+    assert run_step(live, plan, ["b"], rows(10, 1), slots_of(plan, ["b"])) == {}
+    assert live.stats.num_rows_written == 0 and live.stats.num_cleared_blocks == 1
+    assert live.store.stamp_of(HIDDEN_STATES, 5) is None
+    # Plan MAX_DEFERRED_STEPS - 1 clears block 5 again: plan 0's rows still wait.
+    plan = decode(MAX_DEFERRED_STEPS - 1, 1, (5,))
+    assert run_step(live, plan, ["b"], rows(11, 1), slots_of(plan, ["b"])) == {}
+    assert live.stats.num_rows_written == 0
+    # Plan MAX_DEFERRED_STEPS clears block 1, which plan 0 wrote: the staged rows
+    # are written first (block 1 stamped), then block 1 is cleared.
+    plan = decode(MAX_DEFERRED_STEPS, 2, (1,))
+    assert run_step(live, plan, ["b"], rows(12, 1), slots_of(plan, ["b"])) == {}
+    assert live.stats.num_rows_written == BS + 2 and live.stats.num_cleared_blocks == 3
+    assert live.store.stamp_of(HIDDEN_STATES, 1) is None
+    assert live.store.filled_of(HIDDEN_STATES, 1) == 0
+    assert live.flush() == {}
+    assert live.stats.num_rows_written == BS + 3 and live.stats.num_decode_steps == 3
+    assert torch.equal(
+        live.store.cached_rows(HIDDEN_STATES)[2 * BS : 2 * BS + 3],
+        torch.cat([rows(10 + position, 1) for position in range(3)]),
+    )
 
 
 def test_a_decode_step_staged_as_computed_has_its_rows_counted_before_they_are_written() -> None:
@@ -899,7 +957,6 @@ def test_start_forward_writes_before_the_forward_pass_the_staged_rows_apply_woul
     copy_steps: bool | None,
     decode_step: DecodeStep,
 ) -> None:
-    from omnicache.integrations.vllm.staged_steps import MAX_DEFERRED_STEPS
 
     row_bytes = HIDDEN * 4  # float32
     num_blocks = 4 + MAX_DEFERRED_STEPS // BS

@@ -39,6 +39,7 @@ from omnicache.integrations.vllm import (
     multi_modal_uuids,
 )
 from omnicache.integrations.vllm.keys import prompt_embeds_digest
+from omnicache.integrations.vllm.plan import MAX_DEFERRED_STEPS, StepPlan
 from omnicache.store import StaleBlockError
 
 
@@ -829,6 +830,58 @@ def test_chunked_prefill_and_decode_stamp_blocks_as_they_fill() -> None:
     assert (num_hit, block_ids[:4]) == (64, [1, 2, 3, 4])
     assert_rows_exact(rows, follow_up)
     assert h.live.stats.num_decode_steps == 8
+
+
+@needs_vllm
+@pytest.mark.parametrize("idle_steps", [0, MAX_DEFERRED_STEPS])
+def test_a_decode_step_that_clears_a_block_no_recent_plan_wrote_to_stays_a_decode_step(
+    idle_steps: int,
+) -> None:
+    # Three blocks (1-3) and vLLM's null block: "a" fills block 1 and finishes;
+    # "b" decodes into block 3, then into block 1, which vLLM hands out again.
+    h = Harness(num_blocks=4)
+    plans: list[StepPlan] = []
+    plan = h.mirror.plan
+
+    def recorded(*args: Any, **kwargs: Any) -> StepPlan:
+        plans.append(plan(*args, **kwargs))
+        return plans[-1]
+
+    h.mirror.plan = recorded  # type: ignore[method-assign]
+    first = h.request("a", list(range(100, 116)))
+    h.run(first)
+    assert h.stamps([1]) == ([first.block_hashes[0]],) * 2
+    for _ in range(idle_steps):
+        h.step([], flush=False)
+    second = h.request("b", list(range(200, 216)))
+    assert h.admit(second) == 0
+    h.step([(second, 16)], flush=False)
+    for token_id in range(300, 318):
+        second.append_output_token_ids(token_id)
+        assert h.wrapper.allocate_slots(second, 1) is not None
+        h.step([(second, 1)], flush=False)
+    assert h.wrapper.request_block_ids("b") == [2, 3, 1]
+    # Each block vLLM takes from its free queue is cleared: 1 for "a"; 2, 3 and 1
+    # again for "b" (its prompt, then its tokens 16 and 32).
+    cleared = [(plan.number, plan.cleared_block_ids, plan.decode) for plan in plans]
+    cleared = [item for item in cleared if item[1]]
+    number = 2 + idle_steps
+    assert cleared[:3] == [(0, (1,), False), (1 + idle_steps, (2,), False), (number, (3,), True)]
+    assert [plan.number for plan in plans] == list(range(len(plans)))
+    # Block 1 was written by plan 0: a plan within the MAX_DEFERRED_STEPS after
+    # it may find its rows still staged, and is no steady decode step (the
+    # worker resolves its staged steps and checks them); a later one is.
+    (again,) = cleared[3:]
+    assert again == (number + 16, (1,), number + 16 >= MAX_DEFERRED_STEPS)
+    # Either way: block 1 holds "b"'s two rows, unstamped; blocks 2 and 3 "b"'s keys.
+    assert h.stamps([1, 2, 3]) == ([None, second.block_hashes[0], second.block_hashes[1]],) * 2
+    assert h.live.stats.num_decode_steps == (18 if idle_steps else 17)
+    assert h.store.filled_of("hidden_states", 1) == 2
+    expected = recompute(second)["hidden_states"]
+    assert torch.equal(
+        h.store.read_blocks("hidden_states", [2, 3], second.block_hashes[:2]), expected[:32]
+    )
+    assert torch.equal(h.store.cached_rows("hidden_states")[16:18], expected[32:34])
 
 
 @needs_vllm

@@ -113,12 +113,16 @@ class EngineHarness:
         for (request, num_new), (_rid, start, _) in zip(scheduled, items, strict=True):
             parts.append(self.rows(request)[start : start + num_new])
             slots.append(self._slots(request.request_id, start, num_new))
-        # NOTE: a step without requests runs no forward pass.
+        # NOTE: a step without requests runs no forward pass. As the worker's
+        # capture does, a steady decode step's slot values are read first.
+        mapping = torch.from_numpy(np.concatenate(slots)) if slots else None
+        values = None if mapping is None else self.live.decode_slot_values(plan, mapping)
         stamped = self.live.apply(
             plan,
             [rid for rid, _, _ in items],
             torch.cat(parts) if parts else None,
-            torch.from_numpy(np.concatenate(slots)) if slots else None,
+            mapping,
+            slot_values=values,
         )
         if flush:
             stamped.update(self.live.flush())

@@ -319,11 +319,17 @@ class LiveStore:
         if self._begun is plan:
             return
         self._begun = plan
-        if plan.decode:
-            # NOTE: such a plan clears and asks for nothing, and its rows may
-            # wait (`StepPlan.decode`): nothing to write first.
-            return
         staged = self._staged
+        if plan.decode:
+            # NOTE: such a plan asks for nothing, and clears no block that rows
+            # of the `MAX_DEFERRED_STEPS` plans before it were written to
+            # (`StepPlan.decode`): only staged rows of older plans are written
+            # first, and the staged decode steps need not be resolved.
+            if plan.cleared_block_ids:
+                if staged.holds_plan_up_to(plan.number - MAX_DEFERRED_STEPS):
+                    self._flushed.update(self._write_pending())
+                self._clear(plan.cleared_block_ids)
+            return
         if staged.decode:
             self._resolve()
         if staged.steps and (
@@ -493,8 +499,11 @@ class LiveStore:
         if slot_values is not None and hidden_states is not None:
             # NOTE: a steady decode step whose rows wait as they are
             # (`decode_slot_values` checked the rest before the forward pass):
-            # staged, nothing else. Right after the forward pass, each
-            # statement costs several times what it does before it or later.
+            # its clears (`begin`), then staged, nothing else. Right after the
+            # forward pass, each statement costs several times what it does
+            # before it or later.
+            if plan.cleared_block_ids:
+                self.begin(plan)
             waiting = self._staged
             self._stats.num_steps += 1
             self._begun = plan
@@ -686,8 +695,8 @@ class LiveStore:
             rows = hidden_states.clone() if copy else hidden_states
         # NOTE: `begin` of such a plan clears stamps (before its rows, as always;
         # writing the staged rows first if any is in a cleared block) and takes
-        # new prompts (a decode step's plan does neither).
-        if planned is not None and (plan.cleared_block_ids or plan.prompt_requests):
+        # new prompts (a decode step's plan takes none).
+        if plan.cleared_block_ids or (planned is not None and plan.prompt_requests):
             self.begin(plan)
         self._begun = plan
         stamped: dict[int, BlockHash] = {}
@@ -697,7 +706,9 @@ class LiveStore:
         if planned is None:
             staged.decode.append((rows, mapping, plan, batch_order))
         else:
-            staged.steps.append((rows, mapping, planned[0], plan.block_keys, batch_order))
+            staged.steps.append(
+                (rows, mapping, planned[0], plan.block_keys, batch_order, plan.number)
+            )
             # NOTE: kept as steps come, not gathered when asked: with a large
             # batch and small blocks, most decode steps clear blocks.
             staged.blocks.update(planned[1])

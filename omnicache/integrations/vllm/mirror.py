@@ -28,6 +28,14 @@ the end (vLLM's priority preemption can take back a request already
 scheduled) is undone in both. The worker still verifies every hit it reads:
 a table that runs ahead of it costs a counted stale hit, never wrong rows.
 
+The mirror also numbers the plans (`StepPlan.number`) and keeps, per block,
+the number of the last plan that wrote rows to it: a steady decode step may
+clear blocks that no plan of the `plan.MAX_DEFERRED_STEPS` before it wrote
+to (`StepPlan.decode`), since the worker holds no rows staged for them but
+from plans that old, which it writes first. Most blocks vLLM hands out are
+either new or cached long before, so the steps where a request starts a
+block stay steady decode steps.
+
 Blocks loaded from a tier (docs/architecture.md, "Hidden states in a live
 engine"): the lookup asks only which blocks exist; `StoreMirror.on_loaded`
 stamps them when vLLM allocates them and the plan orders their load while
@@ -49,6 +57,7 @@ from omnicache.checks import check_int
 from omnicache.integrations.vllm.manager import OmniKVCacheManager, RequestState
 from omnicache.integrations.vllm.plan import (
     EXTERNAL_TOKENS_PARAM,
+    MAX_DEFERRED_STEPS,
     LoadOrder,
     PlannedRequest,
     StepPlan,
@@ -175,6 +184,13 @@ class StoreMirror:
         self._external_hits: dict[str, LoadOrder] = {}
         self._cleared: dict[int, None] = {}
         self._reset = False
+        # Per block, the number of the last plan that wrote rows to it (an
+        # allocation), and whether a block handed out again in the step being
+        # scheduled was written by one of the `MAX_DEFERRED_STEPS` plans before
+        # it: the worker may still hold those rows staged (`StepPlan.decode`).
+        self._num_plans = 0
+        self._written_at = [-MAX_DEFERRED_STEPS] * self.table.num_blocks
+        self._clears_recent = False
         manager.follow(self)
 
     # -- the connector's scheduler side ---------------------------------------------------
@@ -275,6 +291,7 @@ class StoreMirror:
             # A decode token, the common case: its block, and one row of the table.
             block_id, key = found
             self.table.write_row(block_id, start % size, key)
+            self._written_at[block_id] = self._num_plans
             self._allocated[request_id] = PlannedRequest(request_id, start, 1, (block_id,))
             if key is not None:
                 self._allocated_keys[request_id] = {block_id: key}
@@ -283,6 +300,8 @@ class StoreMirror:
         slots = state.slots(start, num_new, size, block_keys, "allocate_slots")
         self.table.write(slots, block_keys)
         block_ids = block_ids_of(slots, size)
+        for block_id in block_ids:
+            self._written_at[block_id] = self._num_plans
         if prior is not None:
             # NOTE: two allocations in one step cannot both be the step's
             # rows: start -1 never matches, so both are undone at planning.
@@ -301,6 +320,8 @@ class StoreMirror:
         else:
             self.table.clear((block_id,))
             self._cleared[block_id] = None
+            if self._written_at[block_id] + MAX_DEFERRED_STEPS > self._num_plans:
+                self._clears_recent = True
 
     def on_loaded(
         self, request_id: str, block_ids: Sequence[int], block_keys: Sequence[BlockHash]
@@ -330,9 +351,10 @@ class StoreMirror:
         Allocations that do not match what was scheduled are undone: their
         blocks lose their stamps here, and in the worker's store after the
         step's writes. A step of one decode token a request, each in its
-        allocated block and without a hit, that clears, loads and asks for
-        nothing is marked as one (`StepPlan.decode`): the worker stages it by
-        its plan alone.
+        allocated block and without a hit, that loads and asks for nothing,
+        and clears only blocks no plan of the last `MAX_DEFERRED_STEPS` wrote
+        rows to, is marked as one (`StepPlan.decode`): the worker stages it
+        by its plan alone.
         """
         requests: list[PlannedRequest] = []
         block_keys: dict[int, BlockHash] = {}
@@ -402,8 +424,11 @@ class StoreMirror:
             tuple(loaded.values()) if loaded else (),  # loads
             decode  # decode
             and bool(requests)
-            and not (undone or loaded or cleared or self._reset or prompt_requests),
+            and not (undone or loaded or self._clears_recent or self._reset or prompt_requests),
+            self._num_plans,  # number
         )
+        self._num_plans += 1
+        self._clears_recent = False
         if loaded:
             self._loading.update(loaded)
             loaded.clear()

@@ -8,14 +8,18 @@ neither loads nor invalidates, whose hits (verified and read at once) are
 in no block a staged step or the step itself writes.
 
 A steady decode step (`StepPlan.decode`: one token of each request in its
-planned block, no hit, nothing cleared, loaded or asked) is staged by its
-plan alone: its slots and blocks are found later (`Staged.resolve`), in one
-loop over every such step, before anything reads the staged steps (a step
-that is not one, or their write), by `staged_slots` as any staged step's.
-Right after the forward pass, that took about 10 of the 41 us
+planned block, no hit, nothing loaded or asked, and only blocks cleared
+that no plan of the `MAX_DEFERRED_STEPS` before it wrote rows to) is staged
+by its plan alone: its slots and blocks are found later (`Staged.resolve`),
+in one loop over every such step, before anything reads the staged steps
+(a step that is not one, or their write), by `staged_slots` as any staged
+step's. Right after the forward pass, that took about 10 of the 41 us
 `LiveStore.apply` took for a decode step of 4 requests; in that loop,
 about 1-1.5 us a step when the staged rows are written, and about 4.5 in a
-step that clears blocks (right after its forward pass, cold).
+step that is not one (right after its forward pass, cold). Such a step
+that clears blocks writes first only the rows staged from plans that old
+(`Staged.holds_plan_up_to`): no later staged step wrote to its cleared
+blocks, and the staged decode steps are not resolved for it.
 A step whose rows turn out not to be its plan's requests is refused then,
 after the steps before it are written. On the CPU, once the staged rows
 are the model's own, such a step is checked before its forward pass and
@@ -31,7 +35,8 @@ nothing, its slots' values and the model's rows themselves (`LiveStore`'s
 is refused before anything writes them, `Staged.fresh_rows`).
 
 They wait until a step that loads, invalidates, or reads or clears a block
-holding staged rows, or until `MAX_DEFERRED_STEPS` of them wait or one more
+holding staged rows (a steady decode step's clears: rows of plans
+`MAX_DEFERRED_STEPS` before it or older), or until `MAX_DEFERRED_STEPS` of them wait or one more
 step's rows would take more than ``max_staged_bytes`` (a step whose rows
 alone would is written at once, and so is one of more than
 `MAX_HOST_STEP_BYTES` on the CPU). Then they are written first
@@ -54,7 +59,12 @@ import torch
 
 from omnicache.block_hash import BlockHash
 from omnicache.checks import check_int
-from omnicache.integrations.vllm.plan import StepPlan, batch_requests, planned_slots
+from omnicache.integrations.vllm.plan import (
+    MAX_DEFERRED_STEPS,
+    StepPlan,
+    batch_requests,
+    planned_slots,
+)
 from omnicache.store import HIDDEN_STATES, TensorStore
 
 __all__ = [
@@ -70,13 +80,6 @@ __all__ = [
     "write_staged",
 ]
 
-MAX_DEFERRED_STEPS = 256
-"""The most steps whose rows wait to be written together (`LiveStore`).
-
-A write's cost is mostly its fixed part (about 1 ms on a 2-core host for 4
-to 256 rows), so fewer, larger writes; ``max_staged_bytes`` bounds the
-memory the staged rows take (beside the model, on its device).
-"""
 MAX_STAGED_BYTES = 32 * 2**20
 """`LiveStore`'s default ``max_staged_bytes``."""
 STAGED_BUDGET_SHARE = 16
@@ -181,11 +184,17 @@ def staged_slots(
 # A step whose rows wait to be written (`Staged.steps`): its rows (a
 # copy made on their device; on the CPU the model's own; None in a
 # follower's store) and its slot mapping (a copy made on its device; on the
-# CPU its values); its planned slots in the rows' order, its plan's keys and
-# the rows' request ids. NOTE: a tuple: right after the forward pass, the
-# host's every kind of work is cold, a class's constructor one more.
+# CPU its values); its planned slots in the rows' order, its plan's keys, the
+# rows' request ids and its plan's number (`StepPlan.number`). NOTE: a tuple:
+# right after the forward pass, the host's every kind of work is cold, a
+# class's constructor one more.
 _StagedStep = tuple[
-    torch.Tensor | None, torch.Tensor | list[int], list[int], Mapping[int, BlockHash], Sequence[str]
+    torch.Tensor | None,
+    torch.Tensor | list[int],
+    list[int],
+    Mapping[int, BlockHash],
+    Sequence[str],
+    int,
 ]
 
 
@@ -217,6 +226,15 @@ class Staged:
     decode: list[_DecodeStep] = field(default_factory=list)
     nbytes: int = 0
     blocks: set[int] = field(default_factory=set)
+
+    def holds_plan_up_to(self, number: int) -> bool:
+        """Whether a staged step's plan is numbered ``number`` or less (`StepPlan.number`).
+
+        The oldest staged step's, in order: the steps are staged as their plans come.
+        """
+        if self.steps:
+            return self.steps[0][5] <= number
+        return bool(self.decode) and self.decode[0][2].number <= number
 
     def holds(self, block_ids: Sequence[int]) -> bool:
         """Whether any of ``block_ids`` holds rows of ``steps`` (at their planned slots)."""
@@ -254,7 +272,7 @@ class Staged:
                 # requests than planned, which this refuses.
                 batch_requests(plan, order)
                 raise RuntimeError(f"step: expected a decode step's slots, found none: {plan}")
-            self.steps.append((rows, mapping, planned[0], plan.block_keys, order))
+            self.steps.append((rows, mapping, planned[0], plan.block_keys, order, plan.number))
             self.blocks.update(planned[1])
 
     def take(self) -> list[_StagedStep]:
@@ -273,7 +291,8 @@ class Staged:
         """
         self.fresh_rows(None)
         steps = self._empty()
-        for index, (rows, mapping, slots, keys, order) in enumerate(steps):
+        for index, step in enumerate(steps):
+            rows, slots = step[0], step[2]
             if rows is None or rows.shape[0] == len(slots):
                 continue
             if rows.shape[0] < len(slots):
@@ -282,7 +301,7 @@ class Staged:
                     f"found {rows.shape[0]} rows; the {len(steps)} staged steps are dropped, "
                     "unwritten"
                 )
-            steps[index] = (rows[: len(slots)], mapping, slots, keys, order)
+            steps[index] = (rows[: len(slots)], *step[1:])
         return steps
 
     def _empty(self) -> list[_StagedStep]:
