@@ -1,8 +1,8 @@
 """What keeping hidden states costs a live vLLM 0.32 engine: capture + store per step.
 
 A tiny-but-wide random-weight Qwen2 (``--hidden``, default 1024; 2 layers,
-float32, blocks of 32; the live tests' model builder) serves two workloads in
-vLLM's in-process mode, where the worker is an object of this process:
+float32, blocks of 32; the live tests' model builder) serves these workloads
+in vLLM's in-process mode, where the worker is an object of this process:
 
 - prefill: ``--prefill-requests`` distinct prompts of 480 tokens, one new
   token each;
@@ -10,7 +10,10 @@ vLLM's in-process mode, where the worker is an object of this process:
   (every full block a hit: its rows come from the store, and each request's
   480 rows are gathered for the caller; the modes without the store serve
   the hits without rows);
-- decode: 4 prompts of 64 tokens, ``--decode-tokens`` new tokens each.
+- decode: 4 prompts of 64 tokens, ``--decode-tokens`` new tokens each;
+- batch: 16 prompts of 64 to 79 tokens, ``--decode-tokens`` new tokens
+  each: each request starts its blocks at another step, so that most steps
+  take a block from vLLM's free queue (which clears it).
 
 Rows, one engine each: vLLM's own prefix caching (the baseline); omnicache's
 keys (``scheduler_cls`` only); omnicache's keys and the store (plus
@@ -74,22 +77,25 @@ from omnicache.integrations.vllm.staged_steps import MAX_STAGED_BYTES
 
 BLOCK_SIZE = 32
 MODES = ("vLLM", "omnicache keys", "keys + store")
-WORKLOADS = ("prefill", "rows", "decode")
+WORKLOADS = ("prefill", "rows", "decode", "batch")
+BATCH_REQUESTS = 16
 SIDES = ("worker", "scheduler")
 
 
 def prompts(workload: str, args: argparse.Namespace, salt: str) -> list[dict[str, Any]]:
     if workload == "prefill":
-        count, length = args.prefill_requests, 480
+        lengths = [480] * args.prefill_requests
+    elif workload == "batch":
+        lengths = [64 + i for i in range(BATCH_REQUESTS)]
     else:
-        count, length = 4, 64
+        lengths = [64] * 4
     # Token ids 1..300 are learned tokens; each prompt differs from its first token.
     return [
         {
             "prompt_token_ids": [(i * 37 + j * 7) % 300 + 1 for j in range(length)],
             "cache_salt": salt,
         }
-        for i in range(count)
+        for i, length in enumerate(lengths)
     ]
 
 
@@ -166,10 +172,10 @@ def run_pass(mode: str, model: Path, args: argparse.Namespace) -> dict[str, dict
     for salt in ("warm-up", "measured"):
         for workload in WORKLOADS:
             steps.clear()
-            kind = "decode" if workload == "decode" else "prefill"
             # NOTE: the rows pass sends the prefill pass's prompts again.
+            kind = "prefill" if workload == "rows" else workload
             batch = prompts(kind, args, f"{salt}/{kind}")
-            if workload == "decode":
+            if workload in ("decode", "batch"):
                 params = SamplingParams(max_tokens=args.decode_tokens)
             else:
                 extra = ask if workload == "rows" else None
@@ -241,6 +247,7 @@ def main() -> None:
     print(
         f"\nhidden {args.hidden}, float32; prefill: {args.prefill_requests} x 480 tokens; rows: "
         f"the same again, asking for their prompt rows (hits); decode: 4 x 64 tokens + "
+        f"{args.decode_tokens} new; batch: {BATCH_REQUESTS} x 64-{63 + BATCH_REQUESTS} tokens + "
         f"{args.decode_tokens} new; median step, median of {args.repeats} passes; the store's "
         f"work a step in the worker and in the scheduler, and their shares of the steps"
     )
