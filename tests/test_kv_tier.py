@@ -436,7 +436,7 @@ def test_a_block_cleared_after_its_staged_rows_are_written_is_not_saved(
         cleared_block_ids=(1,),
         finished_req_ids=("a",),
     )
-    assert live.apply(clears, ["b"], values[:1], torch.tensor([BS])) == {}
+    assert live.apply(clears, ["b"], values[:1].clone(), torch.tensor([BS])) == {}
     assert live.stats.num_rows_written == BS and live.store.stamp_of(HIDDEN_STATES, 1) is None
     assert live.flush() == {}
     assert live.tier is not None and live.tier.flush(10.0)

@@ -1349,6 +1349,63 @@ def test_on_the_cpu_a_model_that_reuses_its_output_is_refused_before_a_staged_ro
         LiveStore(live.store, max_results=8, copy_steps=1)  # type: ignore[arg-type]
 
 
+def test_a_step_computed_where_staged_rows_are_is_refused_before_it_writes_them(
+    decode_step: DecodeStep,
+) -> None:
+    # The CPU's rows kept as computed. A step that writes the staged rows before
+    # its own are staged checks its rows against theirs first: here the model
+    # computed the third step's rows where the first step's are.
+    first, second, third = (torch.zeros(1, HIDDEN) for _ in range(3))
+    refused = (
+        r"found this step's rows where a staged step's are: the model reuses its output; "
+        r"the 2 staged steps' rows were overwritten and are dropped, unwritten$"
+    )
+    # A write the bytes force (max_staged_bytes: two rows).
+    live = new_live(copy_steps=None, max_staged_bytes=2 * HIDDEN * 4)
+    plans = [decode_step({"a": (position, 1)}, {}) for position in range(3)]
+    for position, buffer in enumerate((first, second)):
+        buffer.copy_(rows(position, 1))
+        assert (
+            run_step(live, plans[position], ["a"], buffer, slots_of(plans[position], ["a"])) == {}
+        )
+    first.copy_(rows(2, 1))
+    with pytest.raises(RuntimeError, match=refused):
+        run_step(live, plans[2], ["a"], first, slots_of(plans[2], ["a"]))
+    assert live.flush() == {} and live.stats.num_rows_written == 0
+    # A write a decode step's clears force (rows staged MAX_DEFERRED_STEPS plans
+    # before it): refused before anything is cleared.
+    live = new_live(copy_steps=None)
+    live.store.write(HIDDEN_STATES, rows(50, BS), list(range(5 * BS, 6 * BS)), block_keys={5: K[5]})
+    for number, buffer in ((0, first), (1, second), (MAX_DEFERRED_STEPS, first)):
+        plan = StepPlan(
+            caching=True,
+            requests=(PlannedRequest("a", number % BS, 1, (1,)),),
+            cleared_block_ids=(5,) if number == MAX_DEFERRED_STEPS else (),
+            decode=True,
+            number=number,
+        )
+        buffer.copy_(rows(number, 1))
+        if number < MAX_DEFERRED_STEPS:
+            assert run_step(live, plan, ["a"], buffer, slots_of(plan, ["a"])) == {}
+            continue
+        with pytest.raises(RuntimeError, match=refused):
+            run_step(live, plan, ["a"], buffer, slots_of(plan, ["a"]))
+    assert live.flush() == {} and live.stats.num_rows_written == 0
+    assert live.store.stamp_of(HIDDEN_STATES, 5) == K[5]
+    # With other memory for each step's rows, the same steps are written.
+    live = new_live(copy_steps=None)
+    for number in (0, 1, MAX_DEFERRED_STEPS):
+        plan = StepPlan(
+            caching=True,
+            requests=(PlannedRequest("a", number % BS, 1, (1,)),),
+            cleared_block_ids=(5,) if number == MAX_DEFERRED_STEPS else (),
+            decode=True,
+            number=number,
+        )
+        assert run_step(live, plan, ["a"], third + number, slots_of(plan, ["a"])) == {}
+    assert live.stats.num_rows_written == 2 and live.stats.num_cleared_blocks == 1
+
+
 def test_the_default_staged_bound_is_32_mib_or_a_sixteenth_of_the_budget() -> None:
     assert default_max_staged_bytes(64 * 2**20) == 4 * 2**20
     assert default_max_staged_bytes(16 * 32 * 2**20 - 16) == 32 * 2**20 - 1

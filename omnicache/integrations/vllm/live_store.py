@@ -309,12 +309,14 @@ class LiveStore:
         """A snapshot of the counters."""
         return replace(self._stats, num_pending_results=len(self._results))
 
-    def begin(self, plan: StepPlan) -> None:
+    def begin(self, plan: StepPlan, rows: torch.Tensor | None = None) -> None:
         """Applies the start of a step's plan: cleared stamps, new prompt requests.
 
         Once per plan: `start_step` and `apply` both begin the step, in either
         order (vLLM starts a step's loads after its forward pass, which is
-        where the store applies the step).
+        where the store applies the step). ``rows``: the step's rows, when
+        they are computed and not yet staged (checked to be none of the
+        staged rows before those are written, `Staged.fresh_rows`).
         """
         if self._begun is plan:
             return
@@ -327,17 +329,17 @@ class LiveStore:
             # first, and the staged decode steps need not be resolved.
             if plan.cleared_block_ids:
                 if staged.holds_plan_up_to(plan.number - MAX_DEFERRED_STEPS):
-                    self._flushed.update(self._write_pending())
+                    self._flushed.update(self._write_pending(rows))
                 self._clear(plan.cleared_block_ids)
             return
         if staged.decode:
-            self._resolve()
+            self._resolve(rows)
         if staged.steps and (
             staged_slots(plan, None, self.store.block_size, staged.blocks) is None
             or staged.holds(plan.cleared_block_ids)
         ):
             # NOTE: the staged rows were written before anything this plan does.
-            self._flushed.update(self._write_pending())
+            self._flushed.update(self._write_pending(rows))
         if plan.reset:
             self.store.invalidate_all()
             self._flushed.clear()
@@ -426,9 +428,13 @@ class LiveStore:
             Block id -> key of the blocks stamped since the last step that
             returned them (saved to the tier, with one).
         """
+        return self._flush(None)
+
+    def _flush(self, rows: torch.Tensor | None) -> dict[int, BlockHash]:
+        """`flush` while a step's ``rows`` are computed and not yet staged (`begin`)."""
         stamped = self._flushed
         self._flushed = {}
-        stamped.update(self._write_pending())
+        stamped.update(self._write_pending(rows))
         if self.tier is not None:
             self.tier.save(self.store, stamped)
         return stamped
@@ -451,8 +457,8 @@ class LiveStore:
         themselves and their slots' values (on the CPU, unless
         ``copy_steps``: `_stage`; learned from an earlier step's rows), whose
         rows may wait (within ``max_staged_bytes`` and `MAX_HOST_STEP_BYTES`).
-        The rows' count is checked when the step is resolved
-        (`staged_steps.Staged.resolve`).
+        The rows' count is checked when the staged rows are written
+        (`staged_steps.Staged.take`).
         """
         row_bytes = self._host_row_bytes
         if not (row_bytes and plan.decode) or self._prompts:
@@ -503,12 +509,13 @@ class LiveStore:
             # forward pass, each statement costs several times what it does
             # before it or later.
             if plan.cleared_block_ids:
-                self.begin(plan)
+                self.begin(plan, hidden_states)
             waiting = self._staged
             self._stats.num_steps += 1
             self._begun = plan
             nbytes = len(slot_values) * self._host_row_bytes
-            stamped = self.flush() if waiting.nbytes + nbytes > self.max_staged_bytes else {}
+            over = waiting.nbytes + nbytes > self.max_staged_bytes
+            stamped = self._flush(hidden_states) if over else {}
             waiting.decode.append((hidden_states, slot_values, plan, batch_order))
             waiting.nbytes += nbytes
             if len(waiting.steps) + len(waiting.decode) >= MAX_DEFERRED_STEPS:
@@ -526,7 +533,7 @@ class LiveStore:
                 num = len(plan.requests)
             else:
                 if self._staged.decode:
-                    self._resolve()
+                    self._resolve(hidden_states)
                 staged = staged_slots(plan, batch_order, store.block_size, self._staged.blocks)
                 num = -1 if staged is None else len(staged[0])
             if num >= 0:
@@ -697,11 +704,11 @@ class LiveStore:
         # writing the staged rows first if any is in a cleared block) and takes
         # new prompts (a decode step's plan takes none).
         if plan.cleared_block_ids or (planned is not None and plan.prompt_requests):
-            self.begin(plan)
+            self.begin(plan, hidden_states)
         self._begun = plan
         stamped: dict[int, BlockHash] = {}
         if staged.nbytes + nbytes > self.max_staged_bytes:
-            stamped = self.flush()
+            stamped = self._flush(hidden_states)
         mapping: torch.Tensor | list[int] = slot_mapping.clone() if copy else slot_mapping.tolist()
         if planned is None:
             staged.decode.append((rows, mapping, plan, batch_order))
@@ -717,8 +724,9 @@ class LiveStore:
             stamped.update(self.flush())
         return stamped
 
-    def _resolve(self) -> None:
-        """Resolves the decode steps staged by their plans (`staged_steps.Staged.resolve`).
+    def _resolve(self, rows: torch.Tensor | None = None) -> None:
+        """Resolves the decode steps staged by their plans (`staged_steps.Staged.resolve`);
+        ``rows`` as `begin`'s.
 
         Raises:
             RuntimeError: a step's rows are not its plan's requests, or its
@@ -732,15 +740,18 @@ class LiveStore:
             staged.resolve()
         except RuntimeError as error:
             self._stats.num_decode_steps += len(staged.steps) - before
-            self._flushed.update(self._write_pending())
+            self._flushed.update(self._write_pending(rows))
             raise RuntimeError(f"{error} (a decode step staged by its plan)") from None
         self._stats.num_decode_steps += len(staged.steps) - before
 
-    def _write_pending(self) -> dict[int, BlockHash]:
-        """Writes the staged steps' rows (`staged_steps.write_staged`); the blocks stamped."""
+    def _write_pending(self, rows: torch.Tensor | None = None) -> dict[int, BlockHash]:
+        """Writes the staged steps' rows (`staged_steps.write_staged`); the blocks stamped.
+
+        ``rows`` as `begin`'s.
+        """
         if self._staged.decode:
-            self._resolve()
-        steps = self._staged.take()
+            self._resolve(rows)
+        steps = self._staged.take(rows)
         if not steps:
             return {}
         written = write_staged(self.store, steps, None if self.keeps_rows else self._marks)

@@ -275,10 +275,10 @@ class Staged:
             self.steps.append((rows, mapping, planned[0], plan.block_keys, order, plan.number))
             self.blocks.update(planned[1])
 
-    def take(self) -> list[_StagedStep]:
+    def take(self, rows: torch.Tensor | None = None) -> list[_StagedStep]:
         """Empties the staged steps, those staged by their plans too; returns ``steps``, in
-        order (`resolve` first), once their rows are seen in place (`fresh_rows`), each
-        cut to its slots.
+        order (`resolve` first), once their rows are seen in place (`fresh_rows`, with
+        ``rows``: a step's, computed and not yet staged), each cut to its slots.
 
         A decode step staged as computed (`LiveStore.decode_slot_values`)
         keeps the model's rows, padding included (a follower's too: every
@@ -289,7 +289,7 @@ class Staged:
             RuntimeError: as `fresh_rows`, or a step has fewer rows than
                 slots; the staged steps are dropped, unwritten.
         """
-        self.fresh_rows(None)
+        self.fresh_rows(rows)
         steps = self._empty()
         for index, step in enumerate(steps):
             rows, slots = step[0], step[2]
@@ -311,11 +311,13 @@ class Staged:
 
     def fresh_rows(self, hidden_states: torch.Tensor | None) -> None:
         """Checks that the staged rows start at as many places as there are steps, and
-        ``hidden_states`` (a step's rows written at once, or None) at none of them.
+        ``hidden_states`` (a step's rows, computed and not yet staged, or None) at none of
+        them.
 
         A staged step on the CPU keeps the model's rows without a copy; a
         model that wrote a later step's rows where they are (it reuses its
         output) overwrote them. Checked before anything writes them (`take`,
+        with the rows of the step being applied when it writes them first,
         and `LiveStore` before a step written at once), in one loop over the
         steps, rather than as each step is staged, right after its forward
         pass. Copies (a device's, ``copy_steps``) are new memory: never one
