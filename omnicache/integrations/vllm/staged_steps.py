@@ -36,16 +36,17 @@ is refused before anything writes them, `Staged.fresh_rows`).
 
 They wait until a step that loads, invalidates, or reads or clears a block
 holding staged rows (a steady decode step's clears: rows of plans
-`MAX_DEFERRED_STEPS` before it or older), or until `MAX_DEFERRED_STEPS` of them wait or one more
-step's rows would take more than ``max_staged_bytes`` (a step whose rows
-alone would is written at once, and so is one of more than
-`MAX_HOST_STEP_BYTES` on the CPU). Then they are written first
-(`write_staged`), so whatever reads the store finds what writing each step
-would have left: the staged slots are compared with the plans' (a
-device's read then, once); if every step's match, the rows are written
-with the plans' keys in a few writes (`_groups`: runs of decode steps
-request by request, the steps between them step after step); otherwise
-step by step, in order, a step at other slots than planned without keys.
+`MAX_DEFERRED_STEPS` before it or older), or until `MAX_DEFERRED_STEPS` of
+them wait or one more step's rows would take more than
+``max_staged_bytes`` (a step whose rows alone would is written at once,
+and so is one of more than `MAX_HOST_STEP_BYTES` on the CPU). Then they
+are written first (`write_staged`), so whatever reads the store finds
+what writing each step would have left: the staged slots are compared
+with the plans' (a device's read then, once); if every step's match, the
+rows are written with the plans' keys in a few writes (`_groups`: runs of
+decode steps request by request, the steps between them step after step);
+otherwise step by step, in order, a step at other slots than planned
+without keys.
 """
 
 from __future__ import annotations
@@ -292,16 +293,16 @@ class Staged:
         self.fresh_rows(rows)
         steps = self._empty()
         for index, step in enumerate(steps):
-            rows, slots = step[0], step[2]
-            if rows is None or rows.shape[0] == len(slots):
+            kept, slots = step[0], step[2]
+            if kept is None or kept.shape[0] == len(slots):
                 continue
-            if rows.shape[0] < len(slots):
+            if kept.shape[0] < len(slots):
                 raise RuntimeError(
                     f"step: expected a row for each of a staged step's {len(slots)} slots, "
-                    f"found {rows.shape[0]} rows; the {len(steps)} staged steps are dropped, "
+                    f"found {kept.shape[0]} rows; the {len(steps)} staged steps are dropped, "
                     "unwritten"
                 )
-            steps[index] = (rows[: len(slots)], *step[1:])
+            steps[index] = (kept[: len(slots)], *step[1:])
         return steps
 
     def _empty(self) -> list[_StagedStep]:
