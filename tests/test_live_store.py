@@ -77,6 +77,20 @@ def run_step(
     return live.apply(plan, batch_order, hidden_states, slot_mapping, slot_values=values)
 
 
+def numbered_decode(
+    req_id: str, position: int, block: int, number: int, cleared: tuple[int, ...] = ()
+) -> StepPlan:
+    """A steady decode step of one request, numbered as the scheduler's mirror numbers its
+    plans (`StepPlan.number`), clearing ``cleared``."""
+    return StepPlan(
+        caching=True,
+        requests=(PlannedRequest(req_id, position, 1, (block,)),),
+        cleared_block_ids=cleared,
+        decode=True,
+        number=number,
+    )
+
+
 def test_block_ids_and_planned_slots() -> None:
     assert block_ids_of(np.array([6, 7, 12, 13], dtype=np.int64), BS) == (1, 3)
     assert block_ids_of(np.zeros(0, dtype=np.int64), BS) == ()
@@ -736,27 +750,18 @@ def test_a_decode_step_that_clears_blocks_first_writes_the_rows_staged_plans_tha
     )
     assert run_step(live, prefill, ["a"], rows(0, BS), slots_of(prefill, ["a"])) == {}
 
-    def decode(number: int, position: int, cleared: tuple[int, ...]) -> StepPlan:
-        return StepPlan(
-            caching=True,
-            requests=(PlannedRequest("b", position, 1, (2,)),),
-            cleared_block_ids=cleared,
-            decode=True,
-            number=number,
-        )
-
     # Plan 1 clears block 5: the staged rows wait on; block 5 loses its stamp.
-    plan = decode(1, 0, (5,))
+    plan = numbered_decode("b", 0, 2, 1, (5,))
     assert run_step(live, plan, ["b"], rows(10, 1), slots_of(plan, ["b"])) == {}
     assert live.stats.num_rows_written == 0 and live.stats.num_cleared_blocks == 1
     assert live.store.stamp_of(HIDDEN_STATES, 5) is None
     # Plan MAX_DEFERRED_STEPS - 1 clears block 5 again: plan 0's rows still wait.
-    plan = decode(MAX_DEFERRED_STEPS - 1, 1, (5,))
+    plan = numbered_decode("b", 1, 2, MAX_DEFERRED_STEPS - 1, (5,))
     assert run_step(live, plan, ["b"], rows(11, 1), slots_of(plan, ["b"])) == {}
     assert live.stats.num_rows_written == 0
     # Plan MAX_DEFERRED_STEPS clears block 1, which plan 0 wrote: the staged rows
     # are written first (block 1 stamped), then block 1 is cleared.
-    plan = decode(MAX_DEFERRED_STEPS, 2, (1,))
+    plan = numbered_decode("b", 2, 2, MAX_DEFERRED_STEPS, (1,))
     assert run_step(live, plan, ["b"], rows(12, 1), slots_of(plan, ["b"])) == {}
     assert live.stats.num_rows_written == BS + 2 and live.stats.num_cleared_blocks == 3
     assert live.store.stamp_of(HIDDEN_STATES, 1) is None
@@ -1377,13 +1382,8 @@ def test_a_step_computed_where_staged_rows_are_is_refused_before_it_writes_them(
     live = new_live(copy_steps=None)
     live.store.write(HIDDEN_STATES, rows(50, BS), list(range(5 * BS, 6 * BS)), block_keys={5: K[5]})
     for number, buffer in ((0, first), (1, second), (MAX_DEFERRED_STEPS, first)):
-        plan = StepPlan(
-            caching=True,
-            requests=(PlannedRequest("a", number % BS, 1, (1,)),),
-            cleared_block_ids=(5,) if number == MAX_DEFERRED_STEPS else (),
-            decode=True,
-            number=number,
-        )
+        clears = (5,) if number == MAX_DEFERRED_STEPS else ()
+        plan = numbered_decode("a", number % BS, 1, number, clears)
         buffer.copy_(rows(number, 1))
         if number < MAX_DEFERRED_STEPS:
             assert run_step(live, plan, ["a"], buffer, slots_of(plan, ["a"])) == {}
@@ -1395,13 +1395,8 @@ def test_a_step_computed_where_staged_rows_are_is_refused_before_it_writes_them(
     # With other memory for each step's rows, the same steps are written.
     live = new_live(copy_steps=None)
     for number in (0, 1, MAX_DEFERRED_STEPS):
-        plan = StepPlan(
-            caching=True,
-            requests=(PlannedRequest("a", number % BS, 1, (1,)),),
-            cleared_block_ids=(5,) if number == MAX_DEFERRED_STEPS else (),
-            decode=True,
-            number=number,
-        )
+        clears = (5,) if number == MAX_DEFERRED_STEPS else ()
+        plan = numbered_decode("a", number % BS, 1, number, clears)
         assert run_step(live, plan, ["a"], third + number, slots_of(plan, ["a"])) == {}
     assert live.stats.num_rows_written == 2 and live.stats.num_cleared_blocks == 1
 
