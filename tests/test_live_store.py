@@ -6,17 +6,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import cast
 
-import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from omnicache.block_hash import BlockHash
 from omnicache.integrations.vllm.live_store import LiveStore, ScoredPrompt
+from omnicache.integrations.vllm.mirror import WorkerTable
 from omnicache.integrations.vllm.plan import (
     LoadOrder,
     PlannedRequest,
     StepPlan,
-    block_ids_of,
     planned_slots,
 )
 from omnicache.integrations.vllm.staged_steps import (
@@ -91,12 +92,7 @@ def numbered_decode(
     )
 
 
-def test_block_ids_and_planned_slots() -> None:
-    assert block_ids_of(np.array([6, 7, 12, 13], dtype=np.int64), BS) == (1, 3)
-    assert block_ids_of(np.zeros(0, dtype=np.int64), BS) == ()
-    # A decode step's one slot comes as a list (the scheduler's mirror).
-    assert block_ids_of([13], BS) == (3,)
-    assert block_ids_of(np.array([13], dtype=np.int64), BS) == (3,)
+def test_planned_slots() -> None:
     plan = [PlannedRequest("a", 2, 4, (5, 2)), PlannedRequest("b", 8, 1, (3,))]
     assert planned_slots(plan, BS) == [22, 23, 8, 9, 12]
     # From the middle of a block across two more; a request without tokens adds none.
@@ -105,6 +101,35 @@ def test_block_ids_and_planned_slots() -> None:
     assert planned_slots([PlannedRequest("c", 3, 6, (7, 1))], BS) is None
     assert planned_slots([PlannedRequest("a", 0, 2)], BS) is None
     assert planned_slots([PlannedRequest("a", 0, 5, (1,))], BS) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 7 * BS - 1), st.integers(1, 3 * BS + 2), st.booleans()),
+        min_size=1,
+        max_size=12,
+    ),
+    st.permutations(range(1, 8)),
+)
+def test_the_worker_table_stamps_and_fills_blocks_as_the_store_does(
+    writes: list[tuple[int, int, bool]], table_order: list[int]
+) -> None:
+    # The scheduler's mirror of the worker's store: each write is a request's
+    # tokens start..stop-1 in the blocks of its block table (table_order),
+    # with or without the keys of those blocks.
+    store = TensorStore(8, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32)
+    table = WorkerTable(8, BS)
+    for start, num_new, keyed in writes:
+        stop = min(start + num_new, len(table_order) * BS)
+        block_ids = table_order[start // BS : (stop - 1) // BS + 1]
+        keys = {block: K[block] for block in block_ids} if keyed else {}
+        table.write_tokens(block_ids, start, stop, keys)
+        slots = [table_order[p // BS] * BS + p % BS for p in range(start, stop)]
+        store.write(HIDDEN_STATES, rows(start, len(slots)), slots, block_keys=keys)
+        for block in range(8):
+            assert table.stamps[block] == store.stamp_of(HIDDEN_STATES, block)
+            assert table.filled[block] == store.filled_of(HIDDEN_STATES, block)
 
 
 def test_a_hit_reads_the_stored_rows_then_the_steps_rows(copy_steps: bool | None) -> None:

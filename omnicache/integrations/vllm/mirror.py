@@ -49,9 +49,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
 from omnicache.block_hash import BlockHash
 from omnicache.checks import check_int
 from omnicache.integrations.vllm.manager import OmniKVCacheManager, RequestState
@@ -61,7 +58,6 @@ from omnicache.integrations.vllm.plan import (
     LoadOrder,
     PlannedRequest,
     StepPlan,
-    block_ids_of,
     prompt_requests,
     scheduled,
 )
@@ -97,23 +93,23 @@ class WorkerTable:
         self.stamps: list[BlockHash | None] = [None] * num_blocks
         self.filled: list[int] = [0] * num_blocks
 
-    def write(self, slots: npt.NDArray[np.int64], block_keys: Mapping[int, BlockHash]) -> None:
-        """Rows written at ``slots`` (in order), with the keys of the blocks they may complete.
+    def write_tokens(
+        self, block_ids: Sequence[int], start: int, stop: int, block_keys: Mapping[int, BlockHash]
+    ) -> None:
+        """Rows of a request's tokens ``start .. stop - 1``, in order, in ``block_ids`` (the
+        blocks those tokens lie in, in order), with the keys of the blocks they may complete.
 
         Each block touched is stamped with its key if it has one and its rows
-        are then complete, and loses its stamp otherwise (the store's rule).
+        are then complete, and loses its stamp otherwise (the store's rule,
+        `write_row`'s for each block's run).
         """
         bs = self.block_size
-        num = len(slots)
-        if num == 0:
-            return
-        slots = np.asarray(slots, dtype=np.int64)
-        cuts = np.flatnonzero((np.diff(slots) != 1) | (np.diff(slots // bs) != 0)) + 1
-        starts = [0, *cuts.tolist()]
-        stops = [*cuts.tolist(), num]
-        for a, b in zip(starts, stops, strict=True):
-            block, offset = divmod(int(slots[a]), bs)
-            self.write_row(block, offset, block_keys.get(block), b - a)
+        base = start // bs * bs
+        for block_id in block_ids:
+            offset = max(start - base, 0)
+            end = min(stop - base, bs)
+            self.write_row(block_id, offset, block_keys.get(block_id), end - offset)
+            base += bs
 
     def write_row(self, block_id: int, offset: int, key: BlockHash | None, length: int = 1) -> None:
         """``length`` rows written at ``offset`` of one block (a decode step's one row), with
@@ -297,11 +293,12 @@ class StoreMirror:
                 self._allocated_keys[request_id] = {block_id: key}
             return
         block_keys: dict[int, BlockHash] = {}
-        slots = state.slots(start, num_new, size, block_keys, "allocate_slots")
-        self.table.write(slots, block_keys)
-        block_ids = block_ids_of(slots, size)
-        for block_id in block_ids:
-            self._written_at[block_id] = self._num_plans
+        ids = state.block_ids(start, num_new, size, block_keys, "allocate_slots")
+        self.table.write_tokens(ids, start, start + num_new, block_keys)
+        number, written_at = self._num_plans, self._written_at
+        for block_id in ids:
+            written_at[block_id] = number
+        block_ids = tuple(ids)
         if prior is not None:
             # NOTE: two allocations in one step cannot both be the step's
             # rows: start -1 never matches, so both are undone at planning.

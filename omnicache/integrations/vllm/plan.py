@@ -17,9 +17,6 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
-import numpy.typing as npt
-
 from omnicache.block_hash import BlockHash
 from omnicache.integrations.vllm.common import wants_hidden_states
 
@@ -36,7 +33,6 @@ __all__ = [
     "WorkerSide",
     "asks",
     "batch_requests",
-    "block_ids_of",
     "planned_slots",
     "prompt_requests",
     "scheduled",
@@ -176,17 +172,6 @@ class StepPlan:
                 f"reset={self.reset}, invalidated_block_ids={self.invalidated_block_ids}, "
                 f"{len(self.loads)} loads"
             )
-
-
-def block_ids_of(slots: npt.NDArray[np.int64] | list[int], block_size: int) -> tuple[int, ...]:
-    """The blocks a run of a request's slots passes through, in order."""
-    if len(slots) == 1:
-        return (int(slots[0]) // block_size,)
-    if not len(slots):
-        return ()
-    ids = np.asarray(slots, dtype=np.int64) // block_size
-    first = np.concatenate(([True], ids[1:] != ids[:-1]))
-    return tuple(int(block_id) for block_id in ids[first])
 
 
 def batch_requests(plan: StepPlan, batch_order: Sequence[str]) -> list[PlannedRequest]:
