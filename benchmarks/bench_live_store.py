@@ -23,8 +23,9 @@ steps); the step's time besides the model's forward pass ("other": every
 mode's own work, and vLLM's, per step); the store's work in a step (median
 over the steps), on each side: the worker's (the capture around the forward
 pass: the step's slots and batch order, read before it, and `LiveStore.apply`
-after it: row writes, hit checks, prompt results; and the connector's worker
-hooks vLLM calls each step, ``start_load_kv`` with `LiveStore.start_step`
+after it: row writes, hit checks, prompt results; omnicache's worker's own
+``execute_model`` around vLLM's; and the connector's worker hooks vLLM calls
+each step, ``start_load_kv`` with `LiveStore.start_step`
 among them; not its per-layer hooks, which return at once: one of them
 times the timers, below) and the scheduler's (the mirror's
 record of each allocation, `StoreMirror.on_allocated`, and the connector's
@@ -154,6 +155,10 @@ def run_pass(mode: str, model: Path, args: argparse.Namespace) -> dict[str, dict
         # (`LiveStore.apply`, and finding the step's slots and batch order).
         capture = worker.model_runner._model_forward
         steps.time("worker", worker.model_runner, "_model_forward")
+        # NOTE: and omnicache's worker's own part of the step (`execute_model`
+        # around vLLM's, which it calls through ``super()``: the class's).
+        steps.time("worker", type(worker), "execute_model")
+        steps.time("worker", vllm_worker_class(worker), "execute_model", subtract=True)
         steps.time("worker", capture, "forward", subtract=True)
         steps.time("model", capture, "forward")
         # NOTE: vLLM calls each by attribute, every step (and a layer's, every layer).
@@ -226,7 +231,17 @@ def run_pass(mode: str, model: Path, args: argparse.Namespace) -> dict[str, dict
                 result[f"{side} share"] = (sum(times) + extra_s) / total_s
             results[workload] = result
     llm.llm_engine.engine_core.shutdown()
+    steps.restore()
     return results
+
+
+def vllm_worker_class(worker: Any) -> type:
+    """The class whose ``execute_model`` omnicache's worker calls through ``super()``."""
+    from omnicache.integrations.vllm.worker import OmniWorkerMixin
+
+    mro = type(worker).__mro__
+    after = mro[mro.index(OmniWorkerMixin) + 1 :]
+    return next(cls for cls in after if "execute_model" in vars(cls))
 
 
 def main() -> None:

@@ -9,9 +9,15 @@ from typing import Any
 __all__ = ["PerStep", "Timed"]
 
 
-def _wrap(owner: Any, name: str, record: Callable[[float], None]) -> None:
-    """Replaces ``owner.name`` with a wrapper that hands each call's wall time to ``record``."""
+def _wrap(owner: Any, name: str, record: Callable[[float], None]) -> Callable[[], None]:
+    """Replaces ``owner.name`` with a wrapper that hands each call's wall time to ``record``.
+
+    ``owner`` may be a class (the wrapper is then its method); returns what
+    puts the attribute back.
+    """
     inner = getattr(owner, name)
+    own = name in vars(owner) if isinstance(owner, type) else True
+    before = vars(owner).get(name) if isinstance(owner, type) else None
     # NOTE: the clock in a closure: the module and attribute lookups of
     # ``time.perf_counter`` would count in every timed call.
     clock = time.perf_counter
@@ -24,6 +30,16 @@ def _wrap(owner: Any, name: str, record: Callable[[float], None]) -> None:
             record(clock() - start)
 
     setattr(owner, name, timed)
+
+    def restore() -> None:
+        if not isinstance(owner, type):
+            setattr(owner, name, inner)
+        elif own:
+            setattr(owner, name, before)
+        else:
+            delattr(owner, name)
+
+    return restore
 
 
 class Timed:
@@ -48,6 +64,7 @@ class PerStep:
         self.counts: dict[str, list[int]] = {}
         self._current: dict[str, float] = {}
         self._calls: dict[str, int] = {}
+        self._restores: list[Callable[[], None]] = []
         inner = getattr(owner, name)
 
         def step(*args: Any, **kwargs: Any) -> Any:
@@ -68,6 +85,9 @@ class PerStep:
     def time(self, group: str, owner: Any, name: str, *, subtract: bool = False) -> None:
         """Counts the calls of ``owner.name`` made inside steps in ``group``.
 
+        ``owner``: an object, or a class (every instance's calls, and a
+        subclass's method's ``super()`` call of it, until `restore`).
+
         ``subtract``: takes their time away instead (a call inside a counted
         one that is not the group's work: a wrapper's inner call).
         """
@@ -80,7 +100,12 @@ class PerStep:
                 self._current[group] += sign * seconds
                 self._calls[group] += 1
 
-        _wrap(owner, name, record)
+        self._restores.append(_wrap(owner, name, record))
+
+    def restore(self) -> None:
+        """Puts back every method `time` wrapped (a class's outlives its engine)."""
+        while self._restores:
+            self._restores.pop()()
 
     def clear(self) -> None:
         self.step_times.clear()

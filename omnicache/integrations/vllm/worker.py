@@ -312,14 +312,14 @@ class _Capture:
         self.direct = False
         runner._model_forward = self
 
-    def arm(self, layer_name: str, live: LiveStore, plan: StepPlan) -> None:
-        self.layer_name, self.live, self.plan = layer_name, live, plan
-        self.num_calls = 0
+    def bind(self, layer_name: str, live: LiveStore) -> None:
+        """The layer whose slot mapping the rows follow, and the store that applies them.
 
-    def disarm(self) -> int:
-        """Stops applying; returns the number of forward passes since `arm`."""
-        self.live = self.plan = None
-        return self.num_calls
+        Once, when the store is made. Each step then sets ``plan`` (and
+        ``num_calls`` to 0) before vLLM's ``execute_model``, and None after
+        it (`OmniWorkerMixin.execute_model`): only steps with a plan apply.
+        """
+        self.layer_name, self.live = layer_name, live
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         live, plan = self.live, self.plan
@@ -397,7 +397,6 @@ class OmniWorkerMixin:
             )
         self._omni_capture: _Capture | None = None
         self._omni_scorer: PromptOutputs | None = None
-        self._omni_layer: str | None = None
         self._omni_kv_bytes = 0
         self._omni_max_staged_bytes: int | None = None
         self._omni_forward_first = False
@@ -501,7 +500,6 @@ class OmniWorkerMixin:
                 f"{type(self).__name__}: expected one KV cache group, found {len(groups)}"
             )
         (group,) = groups
-        self._omni_layer = group.layer_names[0]
         connector = get_kv_transfer_group() if has_kv_transfer_group() else None
         if not isinstance(connector, OmniStoreConnector):
             raise RuntimeError(
@@ -546,6 +544,11 @@ class OmniWorkerMixin:
             max_staged_bytes=max_staged_bytes,
         )
         connector.bind_worker_side(self.omni_store)
+        if self._omni_capture is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: expected vLLM to load the model before its KV cache"
+            )
+        self._omni_capture.bind(group.layer_names[0], self.omni_store)
         # NOTE: on a device the staged rows a step's plan shows it will write are
         # written before its forward pass: reading their slots waits for earlier steps only.
         self._omni_forward_first = not self._omni_store_in_kv_budget()
@@ -570,8 +573,9 @@ class OmniWorkerMixin:
 
     def execute_model(self, scheduler_output: Any) -> Any:
         metadata = scheduler_output.kv_connector_metadata
-        capture, live = self._omni_capture, self.omni_store
-        if capture is None or live is None or self._omni_layer is None:
+        capture = self._omni_capture
+        live = None if capture is None else capture.live
+        if capture is None or live is None:
             raise RuntimeError(
                 f"{type(self).__name__}: a step before the model and store were set up"
             )
@@ -580,16 +584,19 @@ class OmniWorkerMixin:
                 f"{type(self).__name__}: expected {CONNECTOR_NAME}'s step metadata, found "
                 f"{type_name(metadata)}"
             )
+        plan = metadata.plan
         if self._omni_forward_first:
-            live.start_forward(metadata.plan)
-        capture.arm(self._omni_layer, live, metadata.plan)
+            live.start_forward(plan)
+        # NOTE: the capture's attributes set here, not through a method: this
+        # runs every step, and each call is one more cold frame.
+        capture.plan, capture.num_calls = plan, 0
         try:
             output = super().execute_model(scheduler_output)  # type: ignore[misc]
         finally:
-            num_forward = capture.disarm()
-        if num_forward == 0:
+            capture.plan = None
+        if capture.num_calls == 0:
             # NOTE: a step without a forward pass still clears, loads and finishes.
-            live.apply(metadata.plan)
+            live.apply(plan)
         return output
 
     # -- collective_rpc methods ------------------------------------------------------
