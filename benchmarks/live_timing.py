@@ -9,14 +9,15 @@ from typing import Any
 __all__ = ["PerStep", "Timed"]
 
 
-def _wrap(owner: Any, name: str, record: Callable[[float], None]) -> Callable[[], None]:
+def _wrap(owner: Any, name: str, record: Callable[[float], None]) -> Callable[[], None] | None:
     """Replaces ``owner.name`` with a wrapper that hands each call's wall time to ``record``.
 
-    ``owner`` may be a class (the wrapper is then its method); returns what
-    puts the attribute back.
+    ``owner`` may be a class (the wrapper is then its method): returns what
+    puts the class's attribute back (None for an object, whose wrapper goes
+    with it).
     """
     inner = getattr(owner, name)
-    own = name in vars(owner) if isinstance(owner, type) else True
+    # A class's own attribute (None: the class inherits it; `restore` deletes the wrapper).
     before = vars(owner).get(name) if isinstance(owner, type) else None
     # NOTE: the clock in a closure: the module and attribute lookups of
     # ``time.perf_counter`` would count in every timed call.
@@ -30,14 +31,14 @@ def _wrap(owner: Any, name: str, record: Callable[[float], None]) -> Callable[[]
             record(clock() - start)
 
     setattr(owner, name, timed)
+    if not isinstance(owner, type):
+        return None
 
     def restore() -> None:
-        if not isinstance(owner, type):
-            setattr(owner, name, inner)
-        elif own:
-            setattr(owner, name, before)
-        else:
+        if before is None:
             delattr(owner, name)
+        else:
+            setattr(owner, name, before)
 
     return restore
 
@@ -100,10 +101,12 @@ class PerStep:
                 self._current[group] += sign * seconds
                 self._calls[group] += 1
 
-        self._restores.append(_wrap(owner, name, record))
+        restore = _wrap(owner, name, record)
+        if restore is not None:
+            self._restores.append(restore)
 
     def restore(self) -> None:
-        """Puts back every method `time` wrapped (a class's outlives its engine)."""
+        """Puts back the classes' methods `time` wrapped (a class outlives its engine)."""
         while self._restores:
             self._restores.pop()()
 

@@ -520,8 +520,7 @@ class LiveStore:
             waiting.nbytes += nbytes
             if len(waiting.steps) + len(waiting.decode) >= MAX_DEFERRED_STEPS:
                 stamped.update(self.flush())
-            if plan.finished_req_ids:
-                self._finish_requests(plan.finished_req_ids)
+            # NOTE: its finished requests end no gathering: no prompt is gathered.
             return stamped
         store = self.store
         self._stats.num_steps += 1
