@@ -28,8 +28,10 @@ after it: row writes, hit checks, prompt results; omnicache's worker's own
 each step, ``start_load_kv`` with `LiveStore.start_step`
 among them; not its per-layer hooks, which return at once: one of them
 times the timers, below) and the scheduler's (the mirror's
-record of each allocation, `StoreMirror.on_allocated`, and the connector's
-scheduler hooks, ``build_connector_meta`` with the step's plan among them);
+records of vLLM's allocations and reuses, `StoreMirror.on_allocated` and
+``on_cleared``, the cap of each hit to the stamped blocks, and the
+connector's scheduler hooks, ``build_connector_meta`` with the step's plan
+among them);
 their shares of the steps (the workload's store time over its step time: the
 steps that write the rows of the staged decode steps count in full, and so
 does the write of those the workload's last steps left staged); the store's
@@ -166,7 +168,11 @@ def run_pass(mode: str, model: Path, args: argparse.Namespace) -> dict[str, dict
         for name in WORKER_HOOKS:
             steps.time("worker", worker_side, name)
         scheduler = core.scheduler
-        steps.time("scheduler", scheduler.omni_mirror, "on_allocated")
+        # NOTE: the mirror's records of vLLM's allocations and reuses, and the
+        # cap of each hit to its table (the manager's: a lookup with a hit).
+        for name in ("on_allocated", "on_cleared"):
+            steps.time("scheduler", scheduler.omni_mirror, name)
+        steps.time("scheduler", type(scheduler.omni_manager), "_cap_hit")
         for name in SCHEDULER_HOOKS:
             steps.time("scheduler", scheduler.connector, name)
         # NOTE: what a timer adds to the time it counts, in this run: a hook

@@ -917,6 +917,28 @@ def test_a_decode_token_given_slots_twice_in_one_step_stamps_nothing() -> None:
 
 
 @needs_vllm
+def test_a_lookup_finds_the_block_a_decode_token_completes_earlier_in_its_step() -> None:
+    h = Harness()
+    first = h.request("a", list(range(100, 131)))
+    assert h.admit(first) == 0
+    h.step([(first, 31)])
+    # Token 31 completes "a"'s block 2; vLLM caches it as it gives it the slot.
+    first.append_output_token_ids(200)
+    assert h.wrapper.allocate_slots(first, 1) is not None
+    # Later in the same step, "b" (the same 32 tokens, then its own) hits both
+    # blocks: the mirror records the decode token before it caps the hit.
+    second = h.request("b", [*range(100, 131), 200, 7, 8])
+    assert h.admit(second) == 32
+    assert h.wrapper.stats.num_capped_blocks == 0
+    assert h.wrapper.request_block_ids("b")[:2] == [1, 2]
+    # The worker writes the step's rows before it reads the hit.
+    h.step([(first, 1), (second, 2)])
+    assert_rows_exact(h.take("b"), second)
+    assert h.live.stats.num_stale_hit_blocks == 0
+    assert h.stamps([1, 2]) == (first.block_hashes[:2],) * 2
+
+
+@needs_vllm
 def test_wrapper_checks_the_manager_it_wraps() -> None:
     h = Harness()
     with pytest.raises(ValueError, match=r"expected a manager not wrapped yet"):

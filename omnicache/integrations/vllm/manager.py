@@ -608,11 +608,18 @@ class OmniKVCacheManager:
             state.hit_block_ids = tuple(block.block_id for block in hit)
             state.hit_block_keys = tuple(state.keys()[:num_blocks])
             self._stats.num_hit_blocks += num_blocks
-        if self._mirror is not None and num_new_tokens > 0:
+        mirror = self._mirror
+        if mirror is not None and num_new_tokens > 0:
             # NOTE: a new request's computed tokens are set after allocation.
             start = request.num_computed_tokens + num_new_computed_tokens
             start += kwargs.get("num_external_computed_tokens", 0)
-            self._mirror.on_allocated(request_id, state, start, num_new_tokens)
+            if num_new_tokens == 1:
+                # NOTE: a decode token, most allocations: queued, and recorded
+                # in one loop when the mirror is next used (`StoreMirror.queued`);
+                # a call each cost more than recording it.
+                mirror.queued.append((request_id, state, start))
+            else:
+                mirror.on_allocated(request_id, state, start, num_new_tokens)
         return new_blocks
 
     def free(self, request: Request) -> None:
@@ -640,7 +647,8 @@ class OmniKVCacheManager:
     def follow(self, mirror: StoreMirror) -> None:
         """Tells ``mirror`` every allocation and reuse from now on, and caps hits to its table.
 
-        The mirror calls it once, when it is made (`mirror.StoreMirror`).
+        A one-token allocation goes into ``mirror.queued``, every other to
+        ``mirror.on_allocated``. The mirror calls it once, when it is made (`mirror.StoreMirror`).
         """
         if self._mirror is not None:
             raise ValueError("manager: expected no mirror yet, found one following it")

@@ -19,14 +19,17 @@ blocks they complete. The scheduler must know those stamps *before* the
 step runs: it caps every prefix hit to stamped blocks, and vLLM caches a
 block as soon as it allocates it, so a request scheduled later in the same
 step can hit a block that this step computes. So the table is written by the
-same rules at the same slots with the same keys, when vLLM allocates the
-slots; blocks vLLM hands out again are cleared in both (``cleared_block_ids``
-in the next plan). Since the worker applies each step's plan before the next
-one, a stamp in the table is a stamp in the worker's store by the time a
-request scheduled after it reads it. An allocation that is not scheduled in
-the end (vLLM's priority preemption can take back a request already
-scheduled) is undone in both. The worker still verifies every hit it reads:
-a table that runs ahead of it costs a counted stale hit, never wrong rows.
+same rules at the same slots with the same keys, as vLLM allocates the
+slots (a one-token allocation, a decode token, is queued and recorded at
+the mirror's next use, in vLLM's order: before any lookup, reuse or plan
+reads or changes the table); blocks vLLM hands out again are cleared in
+both (``cleared_block_ids`` in the next plan). Since the worker applies
+each step's plan before the next one, a stamp in the table is a stamp in
+the worker's store by the time a request scheduled after it reads it. An
+allocation that is not scheduled in the end (vLLM's priority preemption can
+take back a request already scheduled) is undone in both. The worker still
+verifies every hit it reads: a table that runs ahead of it costs a counted
+stale hit, never wrong rows.
 
 The mirror also numbers the plans (`StepPlan.number`) and keeps, per block,
 the number of the last plan that wrote rows to it: a steady decode step may
@@ -166,7 +169,12 @@ class StoreMirror:
         self._manager = manager
         self._reader = reader
         self._block_size = manager.group.block_size
-        self.table = WorkerTable(manager.block_pool.num_gpu_blocks, self._block_size)
+        self._table = WorkerTable(manager.block_pool.num_gpu_blocks, self._block_size)
+        # One-token allocations (a decode token each: most of a step's), as the
+        # manager queues them: (request id, its state, the token's position),
+        # recorded as `on_allocated` would, in vLLM's order, before anything
+        # else reads or changes what the mirror holds (`_record_queued`).
+        self.queued: list[tuple[str, RequestState, int]] = []
         # Request id -> the slots vLLM gave it in the step being scheduled: its
         # part of the step (without a hit, which the plan adds); and, for those
         # whose slots touch full blocks, those blocks' keys.
@@ -185,9 +193,16 @@ class StoreMirror:
         # scheduled was written by one of the `MAX_DEFERRED_STEPS` plans before
         # it: the worker may still hold those rows staged (`StepPlan.decode`).
         self._num_plans = 0
-        self._written_at = [-MAX_DEFERRED_STEPS] * self.table.num_blocks
+        self._written_at = [-MAX_DEFERRED_STEPS] * self._table.num_blocks
         self._clears_recent = False
         manager.follow(self)
+
+    @property
+    def table(self) -> WorkerTable:
+        """What the worker holds once it has applied every allocation so far (queued ones too)."""
+        if self.queued:
+            self._record_queued()
+        return self._table
 
     # -- the connector's scheduler side ---------------------------------------------------
 
@@ -279,22 +294,42 @@ class StoreMirror:
 
     def on_allocated(self, request_id: str, state: RequestState, start: int, num_new: int) -> None:
         """The request was given slots for its tokens ``start .. start + num_new - 1``,
-        which the step computes (``state``: the request's, its block table updated)."""
+        which the step computes (``state``: the request's, its block table updated).
+
+        The manager queues one-token allocations instead (`queued`).
+        """
+        if self.queued:
+            self._record_queued()
+        self._record(request_id, state, start, num_new)
+
+    def _record_queued(self) -> None:
+        """Records the queued one-token allocations, in order (`on_allocated`'s)."""
+        size, table, number = self._block_size, self._table, self._num_plans
+        allocated, allocated_keys = self._allocated, self._allocated_keys
+        written_at = self._written_at
+        try:
+            for request_id, state, start in self.queued:
+                found = state.token_block(start, size) if request_id not in allocated else None
+                if found is None:
+                    self._record(request_id, state, start, 1)
+                    continue
+                # A decode token, the common case: its block, and one row of the table.
+                block_id, key = found
+                table.write_row(block_id, start % size, key)
+                written_at[block_id] = number
+                allocated[request_id] = PlannedRequest(request_id, start, 1, (block_id,))
+                if key is not None:
+                    allocated_keys[request_id] = {block_id: key}
+        finally:
+            # NOTE: never recorded twice, even after an error.
+            self.queued.clear()
+
+    def _record(self, request_id: str, state: RequestState, start: int, num_new: int) -> None:
         size = self._block_size
         prior = self._allocated.get(request_id)
-        found = state.token_block(start, size) if num_new == 1 and prior is None else None
-        if found is not None:
-            # A decode token, the common case: its block, and one row of the table.
-            block_id, key = found
-            self.table.write_row(block_id, start % size, key)
-            self._written_at[block_id] = self._num_plans
-            self._allocated[request_id] = PlannedRequest(request_id, start, 1, (block_id,))
-            if key is not None:
-                self._allocated_keys[request_id] = {block_id: key}
-            return
         block_keys: dict[int, BlockHash] = {}
         ids = state.block_ids(start, num_new, size, block_keys, "allocate_slots")
-        self.table.write_tokens(ids, start, start + num_new, block_keys)
+        self._table.write_tokens(ids, start, start + num_new, block_keys)
         number, written_at = self._num_plans, self._written_at
         for block_id in ids:
             written_at[block_id] = number
@@ -353,6 +388,8 @@ class StoreMirror:
         rows to, is marked as one (`StepPlan.decode`): the worker stages it
         by its plan alone.
         """
+        if self.queued:
+            self._record_queued()
         requests: list[PlannedRequest] = []
         block_keys: dict[int, BlockHash] = {}
         undone: dict[int, None] = {}
