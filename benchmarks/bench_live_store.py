@@ -31,7 +31,8 @@ times the timers, below) and the scheduler's (the mirror's
 records of vLLM's allocations and reuses, `StoreMirror.on_allocated` and
 ``on_cleared``, the cap of each hit to the stamped blocks, and the
 connector's scheduler hooks, ``build_connector_meta`` with the step's plan
-among them);
+among them; a decode token's allocation, which the manager only queues,
+is recorded inside whichever of these reads the mirror's table first);
 their shares of the steps (the workload's store time over its step time: the
 steps that write the rows of the staged decode steps count in full, and so
 does the write of those the workload's last steps left staged); the store's
