@@ -42,7 +42,7 @@ omnicache's that no timer here counts, and the timers; a noisy difference of
 two medians); and the step time over vLLM's (engines differ by 5-40% from
 one start to the next here: the timed store work is the measure, not this
 ratio). The timers' own cost is counted in the store's: about 0.2 us a
-timed call warm, but about 1 us in the engine, where each call comes cold.
+timed call warm, but 1.2-1.5 us in the engine, where each call comes cold.
 A second table measures it in the same passes: the store's timed calls a
 step, what timing a hook that returns at once took (the connector's
 ``wait_for_layer_load``, which vLLM calls at each layer inside the forward
