@@ -13,7 +13,9 @@ as the worker does (rows and slot mappings on the model's device: a prefill
 and decode steps staged and written together, a hit asking for its rows;
 on CUDA `LiveStore.start_forward` before each step, as the worker calls
 it on a GPU), and on CUDA a timing shows whether a decode step's and a
-prefill step's store work waits for the forward pass (CUDA events). Then
+prefill step's store work waits for the forward pass (CUDA events), and
+torch's sync debug mode finds any synchronizing CUDA operation in it (a
+check: none in `LiveStore.apply`, after the forward pass). Then
 it prints write and merged-read bandwidth for the 8192 x 4096 bf16
 workload on the fastest device here, next to a plain copy_ and the
 reference approach (flat[slots] = hs; cache[block_ids].reshape then
@@ -46,7 +48,9 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -283,12 +287,31 @@ def check_live_store(cfg: Config, hidden: int, bs: int, chk: Checker) -> None:
     )
 
 
-def live_store_timing(hidden: int, bs: int, reps: int) -> None:
+@contextmanager
+def host_syncs() -> Iterator[list[str]]:
+    """The synchronizing CUDA operations run inside, as torch's sync debug mode reports
+    them (warnings); the list is filled on leaving."""
+    found: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield found
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    found.extend(str(w.message) for w in caught if "synchroniz" in str(w.message))
+
+
+def live_store_timing(hidden: int, bs: int, reps: int, chk: Checker) -> None:
     """Whether a step's store work waits for the GPU: a matmul stands for the forward pass,
     `LiveStore.start_forward` comes before it and `LiveStore.apply` after it on the host, as
     the worker calls them on a GPU; CUDA events time the forward pass. Decode steps (one
     row), then prefill steps (a 512-token chunk each, 8 of them staged at most: every
-    eighth step writes the staged ones before its forward pass)."""
+    eighth step writes the staged ones before its forward pass).
+
+    Both calls run in torch's sync debug mode: `apply` must run no synchronizing CUDA
+    operation (a check); `start_forward` runs one only in a step that writes the staged
+    steps (their slots' one read), which is counted and printed."""
     dev, dtype = "cuda", torch.bfloat16
     live = LiveStore(
         TensorStore(4096, bs, hidden_size=hidden, hidden_dtype=dtype),
@@ -302,6 +325,8 @@ def live_store_timing(hidden: int, bs: int, reps: int) -> None:
         first_ms: list[float] = []
         host_ms: list[float] = []
         gpu_ms: list[float] = []
+        # Steps whose start_forward / apply ran a synchronizing CUDA operation; the first seen.
+        synced_before, synced_after, first_sync = 0, 0, ""
         for step in range(reps * 16 if kind == "decode" else reps):
             if kind == "decode":
                 pos, block = step % bs, 2 + step // bs
@@ -314,16 +339,21 @@ def live_store_timing(hidden: int, bs: int, reps: int) -> None:
             plan = StepPlan(caching=True, requests=(planned,))
             slot_mapping = slots.to(dev)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            began = time.perf_counter()
-            live.start_forward(plan)
-            first_ms.append(1e3 * (time.perf_counter() - began))
+            with host_syncs() as before:
+                began = time.perf_counter()
+                live.start_forward(plan)
+                first_ms.append(1e3 * (time.perf_counter() - began))
             start.record()
             out = x @ weight  # the step's forward pass
             end.record()
-            began = time.perf_counter()
-            live.apply(plan, [planned.req_id], out[: planned.num_new], slot_mapping)
-            host_ms.append(1e3 * (time.perf_counter() - began))
+            with host_syncs() as after:
+                began = time.perf_counter()
+                live.apply(plan, [planned.req_id], out[: planned.num_new], slot_mapping)
+                host_ms.append(1e3 * (time.perf_counter() - began))
             end.synchronize()
+            synced_before += bool(before)
+            synced_after += bool(after)
+            first_sync = first_sync or (after + before + [""])[0]
             gpu_ms.append(start.elapsed_time(end))
         began = time.perf_counter()
         live.flush()  # the staged steps' one read of their slots: it waits for the device
@@ -335,7 +365,14 @@ def live_store_timing(hidden: int, bs: int, reps: int) -> None:
             f"{statistics.median(host_ms):.3f} ms (max {max(host_ms):.3f}); forward "
             f"{statistics.median(gpu_ms):.3f} ms; apply waited for the forward pass if its "
             f"time is near the forward's. Then the write of the steps still staged: "
-            f"{flush_ms:.3f} ms"
+            f"{flush_ms:.3f} ms. Steps that ran a synchronizing CUDA operation (of "
+            f"{len(gpu_ms)}): before the forward pass {synced_before}, after it "
+            f"{synced_after}{'; first: ' + first_sync if first_sync else ''}"
+        )
+        chk.expect(
+            synced_after == 0,
+            f"live store {kind} steps on cuda: apply after the forward pass synchronized "
+            f"with the device in {synced_after} of {len(gpu_ms)} steps ({first_sync})",
         )
 
 
@@ -479,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         bandwidth(cfg, args.tokens, args.hidden, args.block_size, args.reps)
     if cuda:
-        live_store_timing(args.hidden, args.block_size, args.reps)
+        live_store_timing(args.hidden, args.block_size, args.reps, chk)
     if chk.failures or rc:
         print("FAILED:", "; ".join(chk.failures) or f"pytest exit {rc}")
         return 1
