@@ -88,10 +88,11 @@ class PerStep:
     def _add_up(self) -> None:
         totals = dict.fromkeys(self.totals, 0.0)
         calls = dict.fromkeys(self.totals, 0)
+        # NOTE: the lists are emptied when the next step begins (calls made
+        # between steps count nowhere).
         for group, sign, times in self._timed:
             totals[group] += sign * sum(times)
             calls[group] += len(times)
-            times.clear()
         for group, total in totals.items():
             self.totals[group].append(total)
             self.counts[group].append(calls[group])
