@@ -917,6 +917,79 @@ def test_a_decode_token_given_slots_twice_in_one_step_stamps_nothing() -> None:
 
 
 @needs_vllm
+@pytest.mark.parametrize("case", ["scheduled in another order", "again", "not scheduled"])
+def test_decode_tokens_queued_otherwise_than_scheduled_are_planned_as_allocated(case: str) -> None:
+    # "a" and "b" hold 30 tokens each (blocks 1-2 and 3-4); two decode tokens
+    # each fill their second blocks. The mirror queues each decode token's
+    # allocation and records the queue in its order: these steps' schedules
+    # part from it.
+    h = Harness()
+    plans: list[StepPlan] = []
+    plan = h.mirror.plan
+
+    def recorded(*args: Any, **kwargs: Any) -> StepPlan:
+        plans.append(plan(*args, **kwargs))
+        return plans[-1]
+
+    h.mirror.plan = recorded  # type: ignore[method-assign]
+    a = h.request("a", list(range(100, 130)))
+    b = h.request("b", list(range(400, 430)))
+    assert (h.admit(a), h.admit(b)) == (0, 0)
+    h.step([(a, 30), (b, 30)])
+    assert [h.wrapper.request_block_ids(r) for r in "ab"] == [[1, 2], [3, 4]]
+    for token_id in (500, 501):
+        a.append_output_token_ids(token_id)
+        b.append_output_token_ids(token_id + 100)
+        assert h.wrapper.allocate_slots(a, 1) is not None
+        assert h.wrapper.allocate_slots(b, 1) is not None
+        last = token_id == 501
+        if case == "scheduled in another order":
+            h.step([(b, 1), (a, 1)], flush=False)
+        elif case == "again":
+            # The token that completes "a"'s block 2 is given slots twice.
+            if last:
+                assert h.wrapper.allocate_slots(a, 1) is not None
+            h.step([(a, 1), (b, 1)], flush=False)
+        else:
+            # vLLM takes "b" back after its slots were given (its priority
+            # preemption): its token is not computed.
+            h.step([(a, 1)] if last else [(a, 1), (b, 1)], flush=False)
+    steps = [
+        ([(r.req_id, r.start, r.block_ids) for r in p.requests], p.invalidated_block_ids, p.decode)
+        for p in plans[1:]
+    ]
+    keys = {"a": a.block_hashes[1], "b": b.block_hashes[1]}
+    if case == "scheduled in another order":
+        assert steps == [
+            ([("b", 30, (4,)), ("a", 30, (2,))], (), True),
+            ([("b", 31, (4,)), ("a", 31, (2,))], (), True),
+        ]
+        assert plans[-1].block_keys == {4: keys["b"], 2: keys["a"]}
+        assert h.stamps([2, 4]) == ([keys["a"], keys["b"]],) * 2
+        assert h.live.stats.num_decode_steps == 2
+    elif case == "again":
+        # Neither of "a"'s allocations is the step's rows: both undone, its
+        # row written without a block. The worker then stamps nothing of the
+        # step (its slots are not the plan's); the table keeps "b"'s stamp,
+        # which a hit would find stale (counted, never served).
+        assert steps == [
+            ([("a", 30, (2,)), ("b", 30, (4,))], (), True),
+            ([("a", 31, ()), ("b", 31, (4,))], (2,), False),
+        ]
+        assert plans[-1].block_keys == {4: keys["b"]}
+        assert h.stamps([2, 4]) == ([None, keys["b"]], [None, None])
+        assert h.live.stats.num_slot_mismatches == 1
+    else:
+        assert steps == [
+            ([("a", 30, (2,)), ("b", 30, (4,))], (), True),
+            ([("a", 31, (2,))], (4,), False),
+        ]
+        assert plans[-1].block_keys == {2: keys["a"]}
+        assert h.stamps([2, 4]) == ([keys["a"], None],) * 2
+    assert h.mirror.queued == []
+
+
+@needs_vllm
 def test_a_lookup_finds_the_block_a_decode_token_completes_earlier_in_its_step() -> None:
     h = Harness()
     first = h.request("a", list(range(100, 131)))
