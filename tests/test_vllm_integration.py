@@ -969,16 +969,24 @@ def test_decode_tokens_queued_otherwise_than_scheduled_are_planned_as_allocated(
         assert h.live.stats.num_decode_steps == 2
     elif case == "again":
         # Neither of "a"'s allocations is the step's rows: both undone, its
-        # row written without a block. The worker then stamps nothing of the
-        # step (its slots are not the plan's); the table keeps "b"'s stamp,
-        # which a hit would find stale (counted, never served).
+        # row planned without a block. The worker cannot check such a step's
+        # slots and writes its rows without keys; so the table stamps none of
+        # its blocks either, "b"'s block 4 included.
         assert steps == [
             ([("a", 30, (2,)), ("b", 30, (4,))], (), True),
             ([("a", 31, ()), ("b", 31, (4,))], (2,), False),
         ]
-        assert plans[-1].block_keys == {4: keys["b"]}
-        assert h.stamps([2, 4]) == ([None, keys["b"]], [None, None])
+        assert plans[-1].block_keys == {}
+        assert h.stamps([2, 4]) == ([None, None],) * 2
         assert h.live.stats.num_slot_mismatches == 1
+        # A request with "b"'s tokens is given the hit the worker can serve.
+        h.finish(a)
+        h.finish(b)
+        follow_up = h.request("c", [*range(400, 430), 600, 601, 7])
+        num_hit, block_ids, rows = h.run(follow_up)
+        assert (num_hit, block_ids[:1]) == (16, [3])
+        assert_rows_exact(rows, follow_up)
+        assert h.live.stats.num_stale_hit_blocks == 0
     else:
         assert steps == [
             ([("a", 30, (2,)), ("b", 30, (4,))], (), True),

@@ -775,8 +775,10 @@ class LiveStore:
         keys = plan.block_keys
         if planned != slots.tolist():
             # NOTE: rows written without keys clear the stamps of every block
-            # they touch: the scheduler's mirror may then promise a hit the
-            # worker cannot serve, which the read check counts.
+            # they touch. The scheduler's mirror does so too for a step with a
+            # request planned without blocks (`StoreMirror.plan`); for slots
+            # otherwise not the planned ones, it may promise a hit the worker
+            # cannot serve, which the read check counts.
             self._stats.num_slot_mismatches += 1
             keys = {}
         rows = hidden_states if self.keeps_rows else self._marks(num_rows)

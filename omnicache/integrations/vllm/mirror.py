@@ -27,9 +27,12 @@ both (``cleared_block_ids`` in the next plan). Since the worker applies
 each step's plan before the next one, a stamp in the table is a stamp in
 the worker's store by the time a request scheduled after it reads it. An
 allocation that is not scheduled in the end (vLLM's priority preemption can
-take back a request already scheduled) is undone in both. The worker still
-verifies every hit it reads: a table that runs ahead of it costs a counted
-stale hit, never wrong rows.
+take back a request already scheduled) is undone in both; a request
+scheduled otherwise than allocated is planned without blocks, and since the
+worker then writes the whole step's rows without keys (it cannot check
+their slots), no block of the step keeps a stamp in either. The worker still
+verifies every hit it reads: a table that runs ahead of it (a step's slots
+not the planned ones) costs a counted stale hit, never wrong rows.
 
 The mirror also numbers the plans (`StepPlan.number`) and keeps, per block,
 the number of the last plan that wrote rows to it: a steady decode step may
@@ -125,6 +128,11 @@ class WorkerTable:
         for block_id, key in zip(block_ids, block_keys, strict=True):
             self.filled[block_id] = self.block_size
             self.stamps[block_id] = key
+
+    def unstamp(self, block_ids: Iterable[int]) -> None:
+        """The blocks' rows were written without keys: they keep their rows, not their stamps."""
+        for block_id in block_ids:
+            self.stamps[block_id] = None
 
     def clear(self, block_ids: Iterable[int]) -> None:
         """The blocks hold nothing any more."""
@@ -382,11 +390,14 @@ class StoreMirror:
 
         Allocations that do not match what was scheduled are undone: their
         blocks lose their stamps here, and in the worker's store after the
-        step's writes. A step of one decode token a request, each in its
-        allocated block and without a hit, that loads and asks for nothing,
-        and clears only blocks no plan of the last `MAX_DEFERRED_STEPS` wrote
-        rows to, is marked as one (`StepPlan.decode`): the worker stages it
-        by its plan alone.
+        step's writes; and a request scheduled without a matching
+        allocation is planned without blocks, so the step's rows are
+        written without keys, and none of its blocks keeps a stamp. A step
+        of one decode token a request, each in its allocated block and
+        without a hit, that loads and asks for nothing, and clears only
+        blocks no plan of the last `MAX_DEFERRED_STEPS` wrote rows to, is
+        marked as one (`StepPlan.decode`): the worker stages it by its plan
+        alone.
         """
         if self.queued:
             self._record_queued()
@@ -396,8 +407,9 @@ class StoreMirror:
         size = self._block_size
         allocated, allocated_keys = self._allocated, self._allocated_keys
         external_hits = self._external_hits
-        # Whether every request computes one token in its block, without a hit.
-        decode = True
+        # Whether every request computes one token in its block, without a hit;
+        # and whether one computes tokens in no planned blocks.
+        decode, unplanned = True, False
         for req_id, start, num_new in scheduled:
             planned = allocated.pop(req_id, None)
             keys = allocated_keys.pop(req_id, None) if allocated_keys else None
@@ -407,6 +419,7 @@ class StoreMirror:
                     undone.update(dict.fromkeys(planned.block_ids))
                 requests.append(PlannedRequest(req_id, start, num_new))
                 decode = False
+                unplanned = unplanned or num_new > 0
                 continue
             if keys:
                 block_keys.update(keys)
@@ -439,6 +452,12 @@ class StoreMirror:
             allocated_keys.clear()
         if undone:
             self.table.clear(undone)
+        if unplanned and block_keys:
+            # NOTE: the worker cannot check the slots of a request without
+            # planned blocks, and writes such a step's rows without keys
+            # (`LiveStore`): no block the step writes is stamped there, nor here.
+            self.table.unstamp([b for item in requests for b in item.block_ids])
+            block_keys = {}
         # NOTE: each part built only when the step has one: most steps have
         # none, and the scheduler plans every step.
         loaded, cleared = self._loaded, self._cleared
