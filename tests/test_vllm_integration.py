@@ -150,6 +150,18 @@ class Harness(EngineHarness):
             request_id, prompt, self.hasher, mm_features=features, cache_salt=cache_salt
         )
 
+    def record_plans(self) -> list[StepPlan]:
+        """The plans the mirror makes from now on, in order."""
+        plans: list[StepPlan] = []
+        plan = self.mirror.plan
+
+        def recorded(*args: Any, **kwargs: Any) -> StepPlan:
+            plans.append(plan(*args, **kwargs))
+            return plans[-1]
+
+        self.mirror.plan = recorded  # type: ignore[method-assign]
+        return plans
+
     def stamps(self, block_ids: list[int]) -> tuple[list[Any], list[Any]]:
         """The keys the scheduler's table and the worker's store hold for ``block_ids``.
 
@@ -840,14 +852,7 @@ def test_a_decode_step_that_clears_a_block_no_recent_plan_wrote_to_stays_a_decod
     # Three blocks (1-3) and vLLM's null block: "a" fills block 1 and finishes;
     # "b" decodes into block 3, then into block 1, which vLLM hands out again.
     h = Harness(num_blocks=4)
-    plans: list[StepPlan] = []
-    plan = h.mirror.plan
-
-    def recorded(*args: Any, **kwargs: Any) -> StepPlan:
-        plans.append(plan(*args, **kwargs))
-        return plans[-1]
-
-    h.mirror.plan = recorded  # type: ignore[method-assign]
+    plans = h.record_plans()
     first = h.request("a", list(range(100, 116)))
     h.run(first)
     assert h.stamps([1]) == ([first.block_hashes[0]],) * 2
@@ -924,14 +929,7 @@ def test_decode_tokens_queued_otherwise_than_scheduled_are_planned_as_allocated(
     # allocation and records the queue in its order: these steps' schedules
     # part from it.
     h = Harness()
-    plans: list[StepPlan] = []
-    plan = h.mirror.plan
-
-    def recorded(*args: Any, **kwargs: Any) -> StepPlan:
-        plans.append(plan(*args, **kwargs))
-        return plans[-1]
-
-    h.mirror.plan = recorded  # type: ignore[method-assign]
+    plans = h.record_plans()
     a = h.request("a", list(range(100, 130)))
     b = h.request("b", list(range(400, 430)))
     assert (h.admit(a), h.admit(b)) == (0, 0)
