@@ -12,7 +12,8 @@ configurations with the store on the CPU also drive the worker's `LiveStore`
 as the worker does (rows and slot mappings on the model's device: a prefill
 and decode steps staged and written together, a hit asking for its rows;
 on CUDA `LiveStore.start_forward` before each step, as the worker calls
-it on a GPU), and on CUDA a timing shows whether a decode step's and a
+it on a GPU; that path also runs with CPU rows, on every machine), and on
+CUDA a timing shows whether a decode step's and a
 prefill step's store work waits for the forward pass (CUDA events), and
 torch's sync debug mode finds any synchronizing CUDA operation in it (a
 check: none in `LiveStore.apply`, after the forward pass). Then
@@ -224,13 +225,26 @@ def check_config(cfg: Config, tokens: int, hidden: int, bs: int, chk: Checker) -
 # -- the worker's store: capture and staging ------------------------------------------
 
 
-def check_live_store(cfg: Config, hidden: int, bs: int, chk: Checker) -> None:
+def check_live_store(
+    cfg: Config, hidden: int, bs: int, chk: Checker, *, as_device: bool = False
+) -> None:
     """`LiveStore` as the worker drives it: rows and slots from the model's device, the
-    store on the CPU; a prefill and decode steps, staged, then a hit asking for its rows."""
+    store on the CPU; a prefill and decode steps, staged, then a hit asking for its rows.
+
+    On a device the worker's store keeps copies of each staged step's rows and slot
+    mapping, and hears of each step before its forward pass (`LiveStore.start_forward`);
+    ``as_device`` takes that path with CPU rows, so that its logic is checked on any
+    machine."""
     dev, dtype = cfg.source_device, torch.bfloat16
     gen = torch.Generator().manual_seed(2)
-    live = LiveStore(TensorStore(64, bs, hidden_size=hidden, hidden_dtype=dtype), max_results=8)
-    label = f"live store, rows on {dev}"
+    # NOTE: on a device the worker tells the store before each forward pass.
+    forward_first = as_device or dev != "cpu"
+    live = LiveStore(
+        TensorStore(64, bs, hidden_size=hidden, hidden_dtype=dtype),
+        max_results=8,
+        copy_steps=True if forward_first else None,
+    )
+    label = f"live store, rows on {dev}{' kept as on a device' if as_device else ''}"
     prompt = 3 * bs  # "a": 3 full blocks, then decode steps filling block 4
     a_blocks = (1, 2, 3, 4)
     rows = torch.randn(prompt + bs, hidden, generator=gen).to(dtype)
@@ -240,8 +254,6 @@ def check_live_store(cfg: Config, hidden: int, bs: int, chk: Checker) -> None:
         requests=(PlannedRequest("a", 0, prompt, a_blocks[:3]),),
         block_keys={b: keys[b] for b in a_blocks[:3]},
     )
-    # NOTE: on a device the worker tells the store before each forward pass.
-    forward_first = dev != "cpu"
     if forward_first:
         live.start_forward(first)
     live.apply(first, ["a"], rows[:prompt].to(dev), slots_of(list(a_blocks[:3]), bs).to(dev))
@@ -279,6 +291,9 @@ def check_live_store(cfg: Config, hidden: int, bs: int, chk: Checker) -> None:
     (got,) = live.take({"b": "key-b"}).values()
     assert isinstance(got, torch.Tensor)
     chk.equal(got, torch.cat([rows, new_row]), f"{label}: hit rows (stored, staged, new)")
+    # NOTE: where the staged rows were written before the hit's forward pass,
+    # the hit's own row is staged in turn: written by the next step, or here.
+    live.flush()
     stats = live.stats
     chk.expect(
         (stats.num_stale_hit_blocks, stats.num_slot_mismatches, stats.num_rows_written)
@@ -510,6 +525,12 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:  # report it and keep checking the other configurations
             traceback.print_exc()
             chk.failures.append(f"{cfg.name}: raised")
+    try:
+        # The worker's store as on a device, with CPU rows: checked on every machine.
+        check_live_store(configs()[0], args.hidden, args.block_size, chk, as_device=True)
+    except Exception:
+        traceback.print_exc()
+        chk.failures.append("live store kept as on a device: raised")
     print(f"correctness: {chk.num_checks} checks, {len(chk.failures)} mismatches")
     for cfg in configs():
         if cuda and cfg.name == "cpu":
