@@ -13,15 +13,14 @@ as the worker does (rows and slot mappings on the model's device: a prefill
 and decode steps staged and written together, a hit asking for its rows;
 on CUDA `LiveStore.start_forward` before each step, as the worker calls
 it on a GPU; that path also runs with CPU rows, on every machine), and on
-CUDA a timing shows whether a decode step's and a
-prefill step's store work waits for the forward pass (CUDA events), and
-torch's sync debug mode finds any synchronizing CUDA operation in it (a
-check: none in `LiveStore.apply`, after the forward pass). Then
-it prints write and merged-read bandwidth for the 8192 x 4096 bf16
-workload on the fastest device here, next to a plain copy_ and the
-reference approach (flat[slots] = hs; cache[block_ids].reshape then
-torch.cat), each variant timed right after its ceiling copy_ (medians of
---reps).
+CUDA a timing shows whether a decode step's and a prefill step's store
+work waits for the forward pass (CUDA events), and torch's sync debug mode
+finds any synchronizing CUDA operation in it (a check: none in
+`LiveStore.apply`, after the forward pass). Then it prints write and
+merged-read bandwidth for the 8192 x 4096 bf16 workload on the fastest
+device here, next to a plain copy_ and the reference approach
+(flat[slots] = hs; cache[block_ids].reshape then torch.cat), each variant
+timed right after its ceiling copy_ (medians of --reps).
 
 Without CUDA it runs the cpu configuration only (CPU-only mode).
 
