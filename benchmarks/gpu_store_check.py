@@ -25,7 +25,9 @@ timed right after its ceiling copy_ (medians of --reps).
 Without CUDA it runs the cpu configuration only (CPU-only mode).
 
 On the GPU machine the image lacks blake3, which omnicache's block keys
-import. From the repository root here, once:
+import (it lacks vLLM and soundfile too, which the script does not need:
+`tests/test_gpu_store_check.py` runs it without them). From the repository
+root here, once:
 
     echo /.whl/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\

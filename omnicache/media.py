@@ -57,13 +57,13 @@ from __future__ import annotations
 import io
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
-import soundfile
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 __all__ = [
@@ -277,6 +277,10 @@ def load_audio(
         MediaError: The file cannot be read, is too large or too long, is a
             WAV cut short, is in no format libsndfile reads, or holds no sample.
     """
+    # NOTE: imported where audio is decoded: whatever imports this module
+    # for its images or rules (the vLLM integration does) needs no libsndfile.
+    import soundfile
+
     data = read_file(path, max_bytes=rules.max_audio_file_bytes)
     cut = _wav_cut_short(data)
     if cut is not None:
@@ -372,6 +376,8 @@ def _why(exc: BaseException) -> str:
     text = str(exc).strip()
     if isinstance(exc, OSError) and exc.strerror:
         text = exc.strerror
-    if isinstance(exc, soundfile.LibsndfileError):
+    # NOTE: libsndfile's errors only arise once `load_audio` imported it.
+    soundfile = sys.modules.get("soundfile")
+    if soundfile is not None and isinstance(exc, soundfile.LibsndfileError):
         text = exc.error_string  # without the repr of the buffer it read
     return text or type(exc).__name__
