@@ -19,14 +19,17 @@ prefix cache is reset.
 Checked: whenever a caller has the staged rows written, the scheduler's
 table, the first rank's store and the follower's stamp the same blocks with
 the same keys; every prompt's hidden states are the stand-in model's rows
-computed from scratch for its tenant; no hit is stale, no slot unplanned,
-and both ranks write the same rows.
+computed from scratch for its tenant, and so are the hit rows each rank
+scores for the requests that ask for their prompt's outputs (the follower
+gets the first rank's); no hit is stale, no slot unplanned, and both ranks
+write the same rows.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -36,7 +39,7 @@ from test_vllm_integration import VLLM_MISSING
 from vllm_managers import new_kv_cache_manager
 
 from omnicache.integrations.vllm import OmniKVCacheManager, RequestBlockHasher, make_request
-from omnicache.integrations.vllm.live_store import LiveStore, follower_store
+from omnicache.integrations.vllm.live_store import LiveStore, ScoredPrompt, follower_store
 from omnicache.integrations.vllm.mirror import StoreMirror
 from omnicache.integrations.vllm.staged_steps import MAX_STAGED_BYTES
 from omnicache.store import HIDDEN_STATES, TensorStore
@@ -103,6 +106,27 @@ CONFIGS = [
 ]
 
 
+class Scores:
+    """A rank's scorer (`PromptScorer`): each hit's stored rows it gets are the model's."""
+
+    def __init__(self, sim: Sim) -> None:
+        self.sim = sim
+        self.num_scored = 0
+
+    def wants(self, req_id: str) -> bool:
+        return req_id in self.sim.scored
+
+    def score(self, rows: torch.Tensor, block_size: int, prompts: Sequence[ScoredPrompt]) -> None:
+        blocks = rows.view(-1, block_size, HIDDEN)
+        for prompt in prompts:
+            # NOTE: None: the hit's rows could not be read (a stale hit).
+            assert prompt.blocks is not None, prompt.req_id
+            got = blocks[list(prompt.blocks)].reshape(-1, HIDDEN)
+            request = self.sim.requests[prompt.req_id]
+            assert torch.equal(got, model_rows(request)[: prompt.num_tokens]), prompt.req_id
+            self.num_scored += 1
+
+
 class Sim:
     """Requests through vLLM's manager, the mirror and two ranks' stores, step by step."""
 
@@ -123,13 +147,26 @@ class Sim:
             "max_staged_bytes": config.max_staged_bytes,
             "copy_steps": config.copy_steps,
         }
-        self.first = LiveStore(store, **options)
+        # NOTE: the ranks' broadcast of a step's scored hit rows: the first
+        # rank applies each step first, the follower gets its rows.
+        shared: list[torch.Tensor] = []
+
+        def send(rows: torch.Tensor) -> torch.Tensor:
+            shared[:] = [rows.clone()]
+            return rows
+
+        self.scores = (Scores(self), Scores(self))
+        self.first = LiveStore(store, share=send, scorer=self.scores[0], **options)
         self.follower = LiveStore(
             follower_store(self.num_blocks, BLOCK_SIZE),
-            share=lambda rows: rows,
+            share=lambda _: shared.pop(),
+            scorer=self.scores[1],
             keeps_results=False,
             **options,
         )
+        # Requests by id, and those that ask for their prompt's outputs (scored from the store).
+        self.requests: dict[str, Any] = {}
+        self.scored: set[str] = set()
         self.waiting: list[Any] = []
         self.running: list[Any] = []
         self.max_len: dict[str, int] = {}
@@ -182,6 +219,9 @@ class Sim:
         self.max_len[request_id] = min(MAX_LEN, len(prompt) + rng.randrange(1, 8))
         if rng.random() < 0.5:
             self.asks.add(request_id)
+        if rng.random() < 0.3:
+            self.scored.add(request_id)
+        self.requests[request_id] = request
         self.waiting.append(request)
 
     def chunk(self, request: Any, start: int) -> int:
@@ -371,9 +411,13 @@ def test_staged_rows_keep_every_stamp_exact_under_random_schedules(config: Confi
     assert (follower.num_stale_hit_blocks, follower.num_slot_mismatches) == (0, 0)
     assert first.num_prompt_failures == 0
     assert first.num_rows_written == follower.num_rows_written
+    # Every rank scored each hit of a request that asks, from the first rank's rows.
+    assert first.num_score_failures == follower.num_score_failures == 0
+    assert sim.scores[0].num_scored == sim.scores[1].num_scored == first.num_scored_requests
     # The run exercised what it claims to (thresholds well below what each
     # configuration's seed gives).
     counts = sim.counts
+    assert first.num_scored_requests > 50
     assert counts["results"] > 100 and counts["twins"] > 50 and counts["hit_blocks"] > 300
     assert counts["aborts"] > 10 and counts["finished"] > 200 and counts["resets"] >= 1
     assert counts["preemptions"] > 50 and counts["resumed_hits"] > 40
