@@ -8,7 +8,7 @@ staged steps are written only when a later step needs them (a hit on their
 blocks, a clear of them, a bound) or a caller between steps asks. The
 worker's calls are a CPU worker's (the slot values read before the forward
 pass, then `apply`) or a device's (`start_forward` first, copies of the
-rows). Requests of two tenants share prefixes (a third are twins of a
+rows). Requests of two tenants share prefixes (some are twins of a
 running request, generated tokens too: their hits reach blocks it decoded),
 prefill in chunks, decode, are preempted when the pool runs out (the last
 running one first) or have their allocation taken back in its step
