@@ -84,7 +84,7 @@ def next_token(request: Any) -> int:
 class Config(NamedTuple):
     name: str
     # Blocks of the KV cache (vLLM's null block included): a small pool is
-    # reused over and over, a large one lets decode steps wait long.
+    # reused over and over, a large one lets staged rows wait longer.
     num_blocks: int
     # The worker's calls as on a device (`start_forward` before the forward pass).
     device: bool
