@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
+from helpers import block_slots
 from test_vllm_integration import VLLM_MISSING
 from vllm_managers import new_kv_cache_manager
 
@@ -366,10 +367,7 @@ class Sim:
             start = request.num_computed_tokens
             parts.append(model_rows(request)[start : start + num_new])
             block_ids = self.wrapper.request_block_ids(request.request_id)
-            slots += [
-                block_ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
-                for p in range(start, start + num_new)
-            ]
+            slots += block_slots(block_ids, BLOCK_SIZE)[start : start + num_new]
         order = [request.request_id for request, _ in batch]
         for live in (self.first, self.follower):
             if self.config.device:
@@ -395,9 +393,7 @@ class Sim:
             or request.num_computed_tokens < request.num_prompt_tokens
         ):
             return
-        rows = self.first.take({request_id: request_id})[request_id]
-        assert isinstance(rows, torch.Tensor), (request_id, rows)
-        assert torch.equal(rows, model_rows(request)[: request.num_prompt_tokens]), request_id
+        self.take_exact(request, request.num_prompt_tokens)
         self.collected.add(request_id)
         self.counts["results"] += 1
 
@@ -406,11 +402,15 @@ class Sim:
         if request_id not in self.every or request_id not in self.seen:
             return
         request = self.requests[request_id]
+        self.take_exact(request, request.num_computed_tokens)
+        self.counts["every_position_results"] += 1
+
+    def take_exact(self, request: Any, num_rows: int) -> None:
+        """The request's result from the first rank: its model's first ``num_rows`` rows."""
+        request_id = request.request_id
         rows = self.first.take({request_id: request_id})[request_id]
         assert isinstance(rows, torch.Tensor), (request_id, rows)
-        want = model_rows(request)[: request.num_computed_tokens]
-        assert torch.equal(rows, want), request_id
-        self.counts["every_position_results"] += 1
+        assert torch.equal(rows, model_rows(request)[:num_rows]), request_id
 
     def compare(self) -> None:
         """A caller has both ranks' staged rows written: every stamp agrees with the table's."""
