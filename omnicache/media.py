@@ -74,6 +74,8 @@ __all__ = [
     "AudioClip",
     "MediaError",
     "MediaRules",
+    "decode_audio",
+    "decode_image",
     "image_extensions",
     "load_audio",
     "load_image",
@@ -173,7 +175,21 @@ def load_image(
         MediaError: The file cannot be read, is in no allowed format, has too
             many pixels, is truncated, or has no RGB conversion.
     """
-    data = read_file(path)
+    return decode_image(read_file(path), rules=rules, source=path)
+
+
+def decode_image(
+    data: bytes,
+    /,
+    *,
+    rules: MediaRules = VLLM_RULES[DEFAULT_SERIES],
+    source: str | os.PathLike[str] = "<bytes>",
+) -> Image.Image:
+    """Decodes an encoded image (a file's bytes) as vLLM's server decodes an upload.
+
+    `load_image` for bytes already read; ``source`` names them in errors.
+    """
+    path = source
     try:
         image: Image.Image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
     except Image.DecompressionBombError as exc:
@@ -277,11 +293,30 @@ def load_audio(
         MediaError: The file cannot be read, is too large or too long, is a
             WAV cut short, is in no format libsndfile reads, or holds no sample.
     """
+    data = read_file(path, max_bytes=rules.max_audio_file_bytes)
+    return decode_audio(data, rules=rules, source=path)
+
+
+def decode_audio(
+    data: bytes,
+    /,
+    *,
+    rules: MediaRules = VLLM_RULES[DEFAULT_SERIES],
+    source: str | os.PathLike[str] = "<bytes>",
+) -> AudioClip:
+    """Decodes an encoded clip (a file's bytes) as vLLM's server decodes an upload.
+
+    `load_audio` for bytes already read; ``source`` names them in errors.
+    """
     # NOTE: imported where audio is decoded: whatever imports this module
     # for its images or rules (the vLLM integration does) needs no libsndfile.
     import soundfile
 
-    data = read_file(path, max_bytes=rules.max_audio_file_bytes)
+    path = source
+    if len(data) > rules.max_audio_file_bytes:
+        raise MediaError(
+            path, f"expected at most {rules.max_audio_file_bytes:,} bytes, found {len(data):,}"
+        )
     cut = _wav_cut_short(data)
     if cut is not None:
         raise MediaError(path, cut)

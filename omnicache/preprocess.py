@@ -8,6 +8,8 @@ the content behind every placeholder.
 
 from __future__ import annotations
 
+import io
+import os
 import sys
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence, Set
 from functools import partial
@@ -15,36 +17,26 @@ from itertools import pairwise
 from typing import Protocol
 
 import numpy as np
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
-from hashing import (
-    DEFAULT_ALGORITHM,
-    Algorithm,
-    ContentHash,
-    digest_size,
-    hash_audio,
-    hash_bytes,
-    hash_identifier,
-    hash_image,
-)
+from hashing import DEFAULT_ALGORITHM, Algorithm, ContentHash, digest_size, hash_identifier
 from omnicache.annotations import MAX_TOKEN_ID, AnnotatedTokens, TokenRangeAnnotation
+from omnicache.identity import item_identity
+from omnicache.media import IMAGE_FORMATS, MediaError, read_file
 
 __all__ = [
     "DEFAULT_IDENTIFIER_NAMESPACE",
-    "ENCODED_MODALITY",
     "PlaceholderRangeLike",
     "annotate_prompt",
 ]
 
-# The modality under which plain bytes (an encoded file) are hashed: the bytes
-# may hold an image, audio or video, which a prompt does not say.
-ENCODED_MODALITY = "encoded"
 DEFAULT_IDENTIFIER_NAMESPACE = "default"
 
 _SUPPORTED_ITEMS = (
     "a hashing.ContentHash (used as is), a PIL.Image.Image, a uint8 numpy.ndarray or "
-    "torch.Tensor (an image), a (waveform, sample_rate) tuple (audio), bytes or bytearray "
-    "(an encoded file) or a str (a caller's id)"
+    "torch.Tensor (an image, or a video shaped (frames, height, width, channels)), a "
+    "(waveform, sample_rate) tuple (audio), a (frames, metadata) tuple (a video), bytes, "
+    "bytearray or an os.PathLike (an encoded image or audio file) or a str (a caller's id)"
 )
 
 
@@ -77,7 +69,7 @@ def _item_hasher(
     context: Mapping[str, object] | None,
     identifier_namespace: str,
 ) -> tuple[Hashable, Callable[[], ContentHash]]:
-    """(dedup key, digest thunk) for one item; TypeError for an unsupported one."""
+    """(dedup key, identity thunk) for one item; TypeError for an unsupported one."""
     where = f"items[{index}]"
     if isinstance(item, ContentHash):
         expected = digest_size(algorithm)
@@ -87,34 +79,50 @@ def _item_hasher(
                 f"found {len(item)} bytes"
             )
         return ("hash", id(item)), partial(_identity, item)
-    if isinstance(item, (bytes, bytearray)):
-        return ("bytes", id(item)), partial(
-            hash_bytes, item, modality=ENCODED_MODALITY, algorithm=algorithm, context=context
-        )
     if isinstance(item, str):
         # Ids are compared by value: equal strings are one item.
         return ("id", item), partial(
             hash_identifier, item, namespace=identifier_namespace, algorithm=algorithm
         )
+    identity = partial(item_identity, algorithm=algorithm, context=context)
+    if isinstance(item, (bytes, bytearray, os.PathLike)):
+        return ("encoded", id(item)), partial(_encoded_identity, item, where, identity)
     if isinstance(item, Image.Image):
-        return ("image", id(item)), partial(hash_image, item, algorithm=algorithm, context=context)
-    if isinstance(item, tuple) and len(item) == 2 and _is_array(item[0]):
-        waveform, sample_rate = item
-        return ("audio", id(waveform), id(sample_rate)), partial(
-            hash_audio, waveform, sample_rate, algorithm=algorithm, context=context
-        )
+        return ("image", id(item)), partial(identity, item, modality="image")
+    if isinstance(item, tuple) and len(item) == 2:
+        if isinstance(item[1], Mapping):
+            return ("video", id(item[0]), id(item[1])), partial(identity, item, modality="video")
+        if _is_array(item[0]):
+            return ("audio", id(item[0]), id(item[1])), partial(identity, item, modality="audio")
     if _is_array(item):
         dtype = str(getattr(item, "dtype", ""))
         if dtype in ("uint8", "torch.uint8"):
-            return ("image", id(item)), partial(
-                hash_image, item, algorithm=algorithm, context=context
-            )
+            modality = "video" if item.ndim == 4 else "image"  # type: ignore[attr-defined]
+            return (modality, id(item)), partial(identity, item, modality=modality)
         raise TypeError(
             f"{where}: expected {_SUPPORTED_ITEMS}, found a {type(item).__name__} of dtype "
             f"{dtype} (only uint8 arrays are images; pass audio as (waveform, sample_rate) "
             "and any other array as a precomputed ContentHash)"
         )
     raise TypeError(f"{where}: expected {_SUPPORTED_ITEMS}, found {type(item).__name__}")
+
+
+def _encoded_identity(
+    item: bytes | bytearray | os.PathLike[str], where: str, identity: Callable[..., ContentHash]
+) -> ContentHash:
+    """The identity of an encoded file: an image if Pillow reads it as one, else audio."""
+    data = read_file(item) if isinstance(item, os.PathLike) else bytes(item)
+    try:
+        Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError):
+        try:
+            return identity(data, modality="audio")
+        except MediaError as exc:
+            raise ValueError(
+                f"{where}: expected an encoded image or audio file, found neither "
+                f"(as audio: {exc.reason})"
+            ) from None
+    return identity(data, modality="image")
 
 
 def _identity(digest: ContentHash) -> ContentHash:
@@ -214,20 +222,24 @@ def annotate_prompt(
     context: Mapping[str, object] | None = None,
     identifier_namespace: str = DEFAULT_IDENTIFIER_NAMESPACE,
 ) -> AnnotatedTokens:
-    """Pair each item with its placeholder run and annotate the run with the item's digest.
+    """Pair each item with its placeholder run and annotate the run with the item's identity.
 
-    Items, classified by type:
+    Items, classified by type, each named by `omnicache.identity.item_identity`
+    (what the model's processor receives for it) unless given as a digest:
 
-    ==================================  ===========================================
-    item                                digest
-    ==================================  ===========================================
-    ``hashing.ContentHash``             used as is (must be ``algorithm``'s size)
-    ``PIL.Image.Image``                 ``hash_image``
-    uint8 ``numpy.ndarray``/``Tensor``  ``hash_image`` (H, W) or (H, W, C)
-    ``(waveform, sample_rate)`` tuple   ``hash_audio``, as vLLM takes audio
-    ``bytes``, ``bytearray``            ``hash_bytes`` with modality ``"encoded"``
-    ``str``                             ``hash_identifier`` in ``identifier_namespace``
-    ==================================  ===========================================
+    ======================================  =======================================
+    item                                    digest
+    ======================================  =======================================
+    ``hashing.ContentHash``                 used as is (must be ``algorithm``'s size)
+    ``PIL.Image.Image``                     an image's identity
+    uint8 ``numpy.ndarray``/``Tensor``      an image's (2 or 3 dims) or a video's (4)
+    ``(waveform, sample_rate)`` tuple       an audio clip's identity
+    ``(frames, metadata)`` tuple            a video's identity (metadata: a dict)
+    ``bytes``, ``bytearray``, ``PathLike``  the identity of the image or audio clip
+                                            the file holds, decoded as vLLM's
+                                            server decodes an upload
+    ``str``                                 ``hash_identifier`` in ``identifier_namespace``
+    ======================================  =======================================
 
     Each distinct item is hashed once: the same object (or equal id string)
     given twice is hashed once and both runs share the digest.
@@ -249,8 +261,7 @@ def annotate_prompt(
         placeholder_ranges: explicit runs; exclusive with placeholder ids.
         algorithm: the content digest algorithm (default blake3).
         context: processing parameters that change what the model sees
-            (model id, resize settings); passed to the image, audio and bytes
-            digests.
+            (model id, resize settings); they enter every item's identity.
         identifier_namespace: the namespace caller ids are hashed in, so two
             tenants' equal ids differ.
 

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,16 +28,25 @@ from media_files import (
 )
 from PIL import Image
 
-from hashing import hash_audio, hash_bytes, hash_image
+from hashing import ContentHash
 from omnicache.demo import model as model_module
 from omnicache.demo import plot as plot_module
 from omnicache.demo.cli import EXIT_BAD_INPUT, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, main
 from omnicache.demo.plot import draw_sweep
 from omnicache.demo.wav import write_wav
+from omnicache.identity import item_identity
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_TRACE = REPO / "examples" / "traces" / "sample.jsonl"
 QUICK = ["demo", "--quick", "--requests", "10"]
+
+
+def image_identity(image: Image.Image, **kwargs: Any) -> ContentHash:
+    return item_identity(image, modality="image", **kwargs)
+
+
+def audio_identity(waveform: Any, rate: int) -> ContentHash:
+    return item_identity((waveform, rate), modality="audio")
 
 
 def _row(out: str, name: str) -> str:
@@ -260,20 +270,27 @@ def test_hash_prints_content_digests_of_images_and_wav(
     write_wav(tmp_path / "tone.wav", samples, 22_050)
     (tmp_path / "clip.mp4").write_bytes(b"fake mp4 bytes")
     files = [tmp_path / "pic.png", tmp_path / "tone.wav", tmp_path / "clip.mp4"]
-    assert main(["hash", *map(str, files)]) == EXIT_OK
+    assert main(["hash", *map(str, files)]) == EXIT_BAD_INPUT
     # 16-bit PCM as the server decodes it: float32, 1/32768 a step.
     ints = np.round(samples * 32767.0).astype(np.int16)
     waveform = ints.astype(np.float32) / np.float32(32768.0)
     expected = [
-        # PNG is lossless: the file's digest is the in-memory image's.
-        (hash_image(original).hex(), "image", files[0]),
-        (hash_audio(waveform, 22_050).hex(), "audio", files[1]),
-        (hash_bytes(b"fake mp4 bytes", modality="video").hex(), "video-bytes", files[2]),
+        # PNG is lossless: the file's identity is the in-memory image's.
+        (image_identity(original).hex(), "image", files[0]),
+        (audio_identity(waveform, 22_050).hex(), "audio", files[1]),
     ]
-    lines = capsys.readouterr().out.splitlines()
-    assert [line.split() for line in lines] == [[h, k, str(p)] for h, k, p in expected]
+    captured = capsys.readouterr()
+    assert [line.split() for line in captured.out.splitlines()] == [
+        [h, k, str(p)] for h, k, p in expected
+    ]
+    # A video's identity is what the server's loader makes of it: not computed here.
+    assert captured.err == (
+        f"omnicache hash: {files[2]}: not identified here: a video's identity covers the "
+        "frames and metadata the server's video loader makes of it (its backend, num_frames "
+        "and fps settings): pass those to multi_modal_uuids\n"
+    )
     assert main(["hash", "--algorithm", "sha256", str(files[0])]) == EXIT_OK
-    assert capsys.readouterr().out.split()[0] == hash_image(original, algorithm="sha256").hex()
+    assert capsys.readouterr().out.split()[0] == image_identity(original, algorithm="sha256").hex()
 
 
 def test_hash_reports_unknown_and_missing_files_and_exits_3(
@@ -291,7 +308,7 @@ def test_hash_reports_unknown_and_missing_files_and_exits_3(
     captured = capsys.readouterr()
     # The good file is still hashed, as the RGB picture the server makes of it.
     assert captured.out.split() == [
-        hash_image(Image.new("RGB", (4, 4), (7, 7, 7))).hex(),
+        image_identity(Image.new("RGB", (4, 4), (7, 7, 7))).hex(),
         "image",
         str(tmp_path / "ok.png"),
     ]
@@ -342,21 +359,24 @@ def test_hash_prints_the_digest_of_what_the_server_makes_of_each_file(tmp_path: 
     result = _omnicache("hash", *map(str, [plain, turned, cut_out, indexed, float_wav]))
 
     with Image.open(turned) as stored:
-        upright = stored.convert("RGB").transpose(Image.Transpose.ROTATE_270)
+        # The pixels alone: the stored EXIF block would turn them once more.
+        upright = Image.fromarray(
+            np.asarray(stored.convert("RGB").transpose(Image.Transpose.ROTATE_270))
+        )
     flattened = np.where(alpha[..., None] == 0, np.uint8(255), rgb)
     mono = (samples[:, 0] + samples[:, 1]) / np.float32(2)
     expected = [
-        (hash_image(noise(1)), "image", plain),
+        (image_identity(noise(1)), "image", plain),
         # EXIF orientation 6: the picture turned upright, as the model sees it.
-        (hash_image(upright), "image", turned),
-        (hash_image(Image.fromarray(flattened, "RGB")), "image", cut_out),
-        (hash_image(palette.convert("RGB")), "image", indexed),
-        (hash_audio(mono, 24_000), "audio", float_wav),
+        (image_identity(upright), "image", turned),
+        (image_identity(Image.fromarray(flattened, "RGB")), "image", cut_out),
+        (image_identity(palette.convert("RGB")), "image", indexed),
+        (audio_identity(mono, 24_000), "audio", float_wav),
     ]
     assert (result.returncode, result.stderr) == (EXIT_OK, "")
     assert result.stdout == "".join(f"{d.hex()}  {k:<11}  {p}\n" for d, k, p in expected)
     with Image.open(turned) as stored:
-        as_stored = hash_image(stored.convert("RGB")).hex()
+        as_stored = image_identity(Image.fromarray(np.asarray(stored.convert("RGB")))).hex()
     assert as_stored not in result.stdout
 
 
@@ -374,7 +394,7 @@ def test_every_bad_file_is_one_line_naming_it_and_exit_3(tmp_path: Path) -> None
     result = _omnicache("hash", *map(str, files))
 
     assert result.returncode == EXIT_BAD_INPUT
-    assert result.stdout == f"{hash_image(noise(6)).hex()}  image        {good}\n"
+    assert result.stdout == f"{image_identity(noise(6)).hex()}  image        {good}\n"
     assert result.stderr.splitlines() == [
         f"omnicache hash: {bomb}: expected at most 178,956,970 pixels, found 900,000,000 "
         "(a decompression bomb?)",
@@ -414,12 +434,12 @@ def test_hash_takes_the_servers_pixel_limit_and_series(tmp_path: Path) -> None:
         colour = stored.info["transparency"]
         stored_pixels = np.asarray(stored)
         # 0.32 leaves the image as stored, its tRNS colour (part of the digest) included.
-        as_stored = hash_image(stored).hex()
+        as_stored = image_identity(stored).hex()
     keyed_pixels = (stored_pixels == np.array(colour, np.uint8)).all(axis=-1)
     composited = np.where(keyed_pixels[..., None], np.uint8(255), stored_pixels)
     assert digests == {
         "0.32": as_stored,
-        "0.33": hash_image(Image.fromarray(composited, "RGB")).hex(),
+        "0.33": image_identity(Image.fromarray(composited, "RGB")).hex(),
     }
 
 

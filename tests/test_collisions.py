@@ -30,6 +30,7 @@ from hashing import (
 )
 from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
 from omnicache.block_hash import BlockHash, BlockHasher
+from omnicache.identity import item_identity
 from omnicache.preprocess import annotate_prompt
 
 BLOCK_SIZE = 8
@@ -315,18 +316,19 @@ def test_vllm_raw_client_uuid_is_never_the_key(algorithm: Any) -> None:
         prompt("photo-1", "tenant-b"),
         prompt("photo-1"),
         prompt(red.hex()),
-        prompt(bytes(red)),
         prompt(red),
-        prompt(b"photo-1"),
     ]
     assert [digests(p) for p in variants[:1]] == [
         [hash_identifier("photo-1", namespace="tenant-a", algorithm=algorithm)]
     ]
     all_digests = [bytes(d) for p in variants for d in digests(p)]
     assert len(set(all_digests)) == len(variants)
-    assert b"photo-1" not in all_digests
-    assert digests(variants[5]) == [red]
+    assert digests(variants[4]) == [red]
     assert len({keys(p, algorithm)[1] for p in variants}) == len(variants)
+    # Bytes are a file's, named by the picture or clip they decode to: never taken raw.
+    for raw in (bytes(red), b"photo-1"):
+        with pytest.raises(ValueError, match=r"^items\[0\]: expected an encoded image or audio"):
+            prompt(raw)
 
 
 # -- SGLang, LMCache, TensorRT-LLM / Dynamo -------------------------------------
@@ -347,8 +349,8 @@ def test_sglang_30_bit_pad_value_collision() -> None:
     first, second = (
         annotate_prompt(tokens, [pixel(v)], placeholder_token_id=IMAGE_TOKEN) for v in PAD30_PIXELS
     )
-    assert digests(first) == [a]
-    assert digests(second) == [b]
+    assert digests(first) == [item_identity(pixel(PAD30_PIXELS[0]), modality="image")]
+    assert digests(second) == [item_identity(pixel(PAD30_PIXELS[1]), modality="image")]
     assert_diverge_at(keys(first), keys(second), 1)
 
 
@@ -455,13 +457,13 @@ def test_content_offset_distinguishes_a_sliced_item(algorithm: Any) -> None:
 
 
 def test_modality_same_bytes_as_image_audio_encoded_and_id(algorithm: Any) -> None:
-    """The same bytes as an image array, an audio clip, an encoded file, an id, or
-    hashed under two declared modalities are five items."""
+    """The same bytes as an image array, an audio clip, an id, or hashed under two
+    declared modalities are five items; as a file's bytes they are no picture and no
+    clip, and are refused rather than named by their raw bytes."""
     raw = np.arange(64, dtype=np.uint8).reshape(8, 8)
     items: list[object] = [
         raw,
         (raw.reshape(-1), 16_000),
-        raw.tobytes(),
         raw.tobytes().decode("latin-1"),
         hash_bytes(raw.tobytes(), modality="image", algorithm=algorithm),
         hash_bytes(raw.tobytes(), modality="audio", algorithm=algorithm),
@@ -473,9 +475,13 @@ def test_modality_same_bytes_as_image_audio_encoded_and_id(algorithm: Any) -> No
     ]
     assert len({bytes(d) for p in prompts for d in digests(p)}) == len(items)
     assert len({keys(p, algorithm)[1] for p in prompts}) == len(items)
+    with pytest.raises(ValueError, match=r"^items\[0\]: expected an encoded image or audio"):
+        annotate_prompt(tokens, [raw.tobytes()], placeholder_token_id=IMAGE_TOKEN)
 
 
 def test_palette_and_transparency_are_part_of_the_digest(algorithm: Any) -> None:
+    """A palette and a transparency key enter an image's content digest; its identity
+    is the picture the model sees: a transparent index over white is white."""
     indices = bytes([0, 1] * 8)
     plain = Image.frombytes("P", (4, 4), indices)
     plain.putpalette([0, 0, 0, 255, 255, 255])
@@ -484,13 +490,16 @@ def test_palette_and_transparency_are_part_of_the_digest(algorithm: Any) -> None
     transparent = Image.frombytes("P", (4, 4), indices)
     transparent.putpalette([0, 0, 0, 255, 255, 255])
     transparent.info["transparency"] = 1
+    images = (plain, repainted, transparent)
+    assert len({hash_image(im, algorithm=algorithm) for im in images}) == 3
     tokens = TEXT + [IMAGE_TOKEN] * 8
-    prompts = [
-        annotate_prompt(tokens, [im], placeholder_token_id=IMAGE_TOKEN)
-        for im in (plain, repainted, transparent)
-    ]
-    assert len({bytes(d) for p in prompts for d in digests(p)}) == 3
-    assert len({keys(p, algorithm)[1] for p in prompts}) == 3
+    prompts = [annotate_prompt(tokens, [im], placeholder_token_id=IMAGE_TOKEN) for im in images]
+    assert digests(prompts[0]) == digests(prompts[2]) != digests(prompts[1])
+    see_through = transparent.copy()
+    see_through.info["transparency"] = 0  # black becomes the white behind it
+    assert digests(annotate_prompt(tokens, [see_through], placeholder_token_id=IMAGE_TOKEN)) != (
+        digests(prompts[0])
+    )
 
 
 def test_dtype_same_bytes_differ(algorithm: Any) -> None:

@@ -13,6 +13,7 @@ would differ between the processes.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -34,6 +35,7 @@ from hashing import (
     hash_video,
 )
 from omnicache.block_hash import BlockHasher
+from omnicache.identity import item_identity, tenant_identifier
 from omnicache.preprocess import annotate_prompt
 
 TESTS = Path(__file__).resolve().parent
@@ -53,10 +55,16 @@ def _inputs() -> dict[str, Any]:
         "palette": palette,
         "array": rng.integers(0, 256, (6, 4, 4), dtype=np.uint8),
         "audio": (rng.standard_normal((2, 300)).astype(np.float32), 22_050),
-        "encoded": bytes(rng.integers(0, 256, 200, dtype=np.uint8)),
+        "encoded": _png(rng.integers(0, 256, (5, 6, 4), dtype=np.uint8)),
         "video": rng.integers(0, 256, (3, 4, 5, 3), dtype=np.uint8),
         "floats": rng.standard_normal((3, 5)).astype(np.float64),
     }
+
+
+def _png(pixels: np.ndarray[Any, Any]) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels, "RGBA").save(buffer, "PNG")
+    return buffer.getvalue()
 
 
 def _context() -> dict[str, object]:
@@ -80,6 +88,14 @@ def compute() -> dict[str, Any]:
             hash_identifier("photo-1", namespace="tenant-a", algorithm=algorithm).hex(),
             hash_video(items["video"], fps=2.5, algorithm=algorithm).hex(),
             hash_array(items["floats"], algorithm=algorithm, context=context).hex(),
+            item_identity(items["encoded"], modality="image", algorithm=algorithm).hex(),
+            item_identity(
+                (items["video"], {"fps": 2.5, "frames_indices": [0, 4, 8], "video_backend": "x"}),
+                modality="video",
+                algorithm=algorithm,
+                context=context,
+            ).hex(),
+            tenant_identifier("ab" * 32, cache_salt="tenant-a", algorithm=algorithm),
         ]
         tokens = [1, 2, 3]
         media = ["rgb", "palette", "array", "audio", "encoded"]

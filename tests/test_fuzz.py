@@ -14,6 +14,7 @@ inputs outside CI.
 from __future__ import annotations
 
 import hashlib
+import io
 import random
 import struct
 from collections.abc import Callable, Mapping, Sequence
@@ -27,8 +28,9 @@ import torch
 import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from PIL import Image
 
-from hashing import ALGORITHMS, ContentHash, hash_audio, hash_identifier, hash_image
+from hashing import ALGORITHMS, ContentHash, hash_identifier
 from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
 from omnicache.block_hash import BlockHash, BlockHasher
 from omnicache.block_pool import (
@@ -38,6 +40,7 @@ from omnicache.block_pool import (
     BlockStored,
     PoolEvent,
 )
+from omnicache.identity import item_identity
 from omnicache.preprocess import annotate_prompt
 from omnicache.store import ScheduledRequest, StaleBlockError, TensorStore
 
@@ -64,7 +67,12 @@ def _item(rng: random.Random, pool_of_ids: list[str]) -> object:
     if kind == 3:
         wave = np.array([rng.uniform(-1, 1) for _ in range(rng.randint(1, 8))], dtype=np.float32)
         return (wave, rng.choice((8000, 16000)))
-    return rng.randbytes(rng.randint(1, 6))
+    # A PNG file's bytes.
+    side = (rng.randint(1, 4), rng.randint(1, 4))
+    pixels = np.frombuffer(rng.randbytes(side[0] * side[1] * 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels.reshape(*side, 3), "RGB").save(buffer, "PNG")
+    return buffer.getvalue()
 
 
 def _expected_digest(item: object, namespace: str) -> bytes:
@@ -73,12 +81,11 @@ def _expected_digest(item: object, namespace: str) -> bytes:
     if isinstance(item, str):
         return hash_identifier(item, namespace=namespace)
     if isinstance(item, tuple):
-        return hash_audio(item[0], item[1])
+        return item_identity(item, modality="audio")
     if isinstance(item, bytes):
-        from hashing import hash_bytes
-
-        return hash_bytes(item, modality="encoded")
-    return hash_image(item)
+        with Image.open(io.BytesIO(item)) as picture:
+            return item_identity(picture.convert("RGB"), modality="image")
+    return item_identity(item, modality="image")
 
 
 def _runs_of(tokens: list[int], ids: set[int]) -> list[tuple[int, int]]:

@@ -18,6 +18,8 @@ LAYERS = [
     ["omnicache.checks"],
     # Media files opened as vLLM's server opens uploads: imports nothing of the project.
     ["omnicache.media"],
+    # Items' identities: what a model's processor receives (over hashing and media).
+    ["omnicache.identity"],
     ["omnicache.annotations"],
     ["omnicache.preprocess"],
     ["omnicache.block_hash"],

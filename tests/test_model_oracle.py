@@ -11,7 +11,6 @@ import pytest
 import torch
 from PIL import Image
 
-from hashing import hash_audio, hash_image
 from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
 from omnicache.block_hash import BlockHash
 from omnicache.demo.config import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID, CacheConfig, ModelConfig
@@ -28,6 +27,7 @@ from omnicache.demo.workloads import (
     TraceRequest,
     synthetic_trace,
 )
+from omnicache.identity import item_identity
 
 CONFIG = ModelConfig(vocab_size=512, hidden_size=32, num_layers=2, num_heads=2, mlp_size=64)
 TRACE = synthetic_trace(SyntheticConfig(num_requests=20, num_images=6, num_audio_clips=2), seed=5)
@@ -100,8 +100,8 @@ def test_placeholder_runs_follow_image_patches_and_audio_frames() -> None:
     tokens = processor.annotate(prompt)
     assert tokens.tolist() == prompt.token_ids
     assert tokens.annotations == (
-        TokenRangeAnnotation(3, 6, hash_image(image.image), 0, 6),
-        TokenRangeAnnotation(9, 2, hash_audio(clip.waveform, 16_000), 0, 2),
+        TokenRangeAnnotation(3, 6, item_identity(image.image, modality="image"), 0, 6),
+        TokenRangeAnnotation(9, 2, item_identity((clip.waveform, 16_000), modality="audio"), 0, 2),
     )
     processor.annotate(prompt)
     assert processor.num_items_hashed == 2

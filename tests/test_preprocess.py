@@ -3,32 +3,38 @@
 from __future__ import annotations
 
 import copy
+import io
 import re
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
+import soundfile
 from PIL import Image
 
 import omnicache.preprocess as preprocess
-from hashing import (
-    ContentHash,
-    hash_audio,
-    hash_bytes,
-    hash_identifier,
-    hash_image,
-)
+from hashing import ContentHash, hash_identifier
 from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
-from omnicache.preprocess import ENCODED_MODALITY, annotate_prompt
+from omnicache.identity import item_identity
+from omnicache.preprocess import annotate_prompt
 
 T = TokenRangeAnnotation
 IMG, AUD = 32000, 32001
 SUPPORTED = (
     "expected a hashing.ContentHash (used as is), a PIL.Image.Image, a uint8 numpy.ndarray or "
-    "torch.Tensor (an image), a (waveform, sample_rate) tuple (audio), bytes or bytearray "
-    "(an encoded file) or a str (a caller's id)"
+    "torch.Tensor (an image, or a video shaped (frames, height, width, channels)), a "
+    "(waveform, sample_rate) tuple (audio), a (frames, metadata) tuple (a video), bytes, "
+    "bytearray or an os.PathLike (an encoded image or audio file) or a str (a caller's id)"
 )
+
+
+def hash_image(image: Any, **kwargs: Any) -> ContentHash:
+    return item_identity(image, modality="image", **kwargs)
+
+
+def hash_audio(wave: Any, rate: int, **kwargs: Any) -> ContentHash:
+    return item_identity((wave, rate), modality="audio", **kwargs)
 
 
 @dataclass
@@ -62,9 +68,24 @@ def test_every_item_kind() -> None:
     image = _image((1, 2, 3))
     pixels = np.zeros((2, 3, 3), dtype=np.uint8)
     wave = _wave(0)
-    encoded = b"\x89PNG fake file bytes"
+    png = io.BytesIO()
+    image.save(png, "PNG")
+    wav = io.BytesIO()
+    soundfile.write(wav, wave, 16000, format="WAV", subtype="FLOAT")
+    frames = np.zeros((2, 4, 4, 3), dtype=np.uint8)
+    metadata = {"fps": 2.0, "frames_indices": [0, 1]}
     precomputed = ContentHash(bytes(range(32)))
-    items = [image, pixels, (wave, 16000), encoded, bytearray(b"abc"), "request-7", precomputed]
+    items = [
+        image,
+        pixels,
+        (wave, 16000),
+        png.getvalue(),
+        bytearray(wav.getvalue()),
+        frames,
+        (frames, metadata),
+        "request-7",
+        precomputed,
+    ]
     ids = []
     for _ in items:
         ids += [5, IMG, IMG]
@@ -73,17 +94,23 @@ def test_every_item_kind() -> None:
         hash_image(image),
         hash_image(pixels),
         hash_audio(wave, 16000),
-        hash_bytes(encoded, modality="encoded"),
-        hash_bytes(b"abc", modality="encoded"),
+        hash_image(image),  # the PNG of the same picture: one identity
+        hash_audio(wave, 16000),  # the WAV of the same samples
+        item_identity(frames, modality="video"),
+        item_identity((frames, metadata), modality="video"),
         hash_identifier("request-7", namespace="default"),
         precomputed,
     ]
-    assert ENCODED_MODALITY == "encoded"
     assert tokens.annotations == tuple(
         T(3 * i + 1, 2, digest, 0, 2) for i, digest in enumerate(expected_hashes)
     )
     assert tokens.annotations[-1].content_hash is precomputed
-    assert len(set(expected_hashes)) == len(expected_hashes)
+    assert len(set(expected_hashes)) == len(expected_hashes) - 2
+
+
+def test_bytes_that_hold_neither_an_image_nor_audio_are_refused() -> None:
+    with pytest.raises(ValueError, match=re.escape("items[0]: expected an encoded image or audio")):
+        annotate_prompt([IMG], [b"\x89PNG fake file bytes"], placeholder_token_id=IMG)
 
 
 def test_uint8_tensor_is_an_image() -> None:
@@ -219,7 +246,7 @@ def test_unsupported_items_list_the_supported_types(item: object, found: str) ->
 
 def test_each_distinct_item_is_hashed_once(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
-    real_image, real_audio, real_id = hash_image, hash_audio, hash_identifier
+    real_identity, real_id = item_identity, hash_identifier
 
     def count(name: str, fn: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -228,8 +255,7 @@ def test_each_distinct_item_is_hashed_once(monkeypatch: pytest.MonkeyPatch) -> N
 
         return wrapper
 
-    monkeypatch.setattr(preprocess, "hash_image", count("image", real_image))
-    monkeypatch.setattr(preprocess, "hash_audio", count("audio", real_audio))
+    monkeypatch.setattr(preprocess, "item_identity", count("identity", real_identity))
     monkeypatch.setattr(preprocess, "hash_identifier", count("id", real_id))
     image, other, wave = _image((5, 5, 5)), _image((5, 5, 5)), _wave(2)
     rate = 16000
@@ -237,7 +263,7 @@ def test_each_distinct_item_is_hashed_once(monkeypatch: pytest.MonkeyPatch) -> N
     ids = [IMG, 0] * len(items)
     tokens = annotate_prompt(ids, items, placeholder_token_id=IMG)
     # ``other`` is a different object with the same pixels: hashed, and equal.
-    assert sorted(calls) == ["audio", "id", "image", "image"]
+    assert sorted(calls) == ["id", "identity", "identity", "identity"]
     digests = [a.content_hash for a in tokens.annotations]
     assert digests[0] == digests[2] == digests[6] == hash_image(image)
     assert digests[1] == digests[4] == hash_audio(wave, rate)

@@ -19,7 +19,7 @@ from media_files import jpeg_with_orientation, noise, rgb_with_trns
 from PIL import Image
 from test_vllm_integration import BLUE, BLUE_HEX, RED, RED_HEX, VLLM_MISSING
 
-from hashing import hash_audio, hash_image
+from omnicache.identity import item_identity, tenant_identifier
 from omnicache.integrations.vllm.common import (
     ALL_HIDDEN_STATES,
     CONNECTOR_NAME,
@@ -34,7 +34,7 @@ from omnicache.integrations.vllm.identifiers import (
     content_identifier,
     installed_rules,
 )
-from omnicache.media import VLLM_RULES, load_image
+from omnicache.media import VLLM_RULES
 
 pytestmark = pytest.mark.skipif(VLLM_MISSING is not None, reason=VLLM_MISSING or "")
 
@@ -45,28 +45,40 @@ SHARED = "shared-name"  # a client's own name for an item: not shaped as a diges
 
 
 def test_every_item_with_data_is_identified_by_its_content_whatever_uuid_it_came_with() -> None:
+    from vllm.multimodal.media.base import MediaWithBytes
+
     wave = np.ones(400, dtype=np.float32)
+    clip = item_identity((wave, 8_000), modality="audio").hex()
     found = checked_multi_modal_uuids(
         {"image": [RED, BLUE, RED], "audio": (wave, 8_000)},
         {"image": [None, SHARED, RED_HEX], "audio": [SHARED]},
     )
-    assert found == {
-        "image": [RED_HEX, BLUE_HEX, RED_HEX],
-        "audio": [hash_audio(wave, 8_000).hex()],
-    }
+    assert found == {"image": [RED_HEX, BLUE_HEX, RED_HEX], "audio": [clip]}
     # Two tenants naming different pictures alike give the engine two identifiers.
     assert checked_multi_modal_uuids({"image": RED}, {"image": SHARED}) == {"image": [RED_HEX]}
     assert checked_multi_modal_uuids({"image": BLUE}, {"image": SHARED}) == {"image": [BLUE_HEX]}
-    # A front end's wrapper around decoded media is unwrapped before digesting.
-    boxed = checked_multi_modal_uuids(
-        {"image": [("boxed", RED)]}, None, unwrap=lambda modality, item: item[1]
-    )
+    # What the server's loader decoded is identified as the picture it holds.
+    boxed = checked_multi_modal_uuids({"image": [MediaWithBytes(RED, b"upload")]}, None)
     assert boxed == {"image": [RED_HEX]}
-    # An item that cannot be digested here is left to vLLM's own content hash,
-    # with or without a client's name for it.
-    embeds = torch.zeros(4, 8)
-    assert checked_multi_modal_uuids({"image": embeds}, None) == {"image": [None]}
-    assert checked_multi_modal_uuids({"image": embeds}, {"image": SHARED}) == {"image": [None]}
+    # A uuid a client computed for its tenant is the item's own too.
+    salted = tenant_identifier(RED_HEX, cache_salt="a")
+    assert checked_multi_modal_uuids({"image": RED}, {"image": salted}, cache_salt="a") == {
+        "image": [RED_HEX]
+    }
+    # Embeddings are identified by their values.
+    embeds = torch.zeros(1, 4, 8)
+    assert checked_multi_modal_uuids({"image": embeds}, {"image": SHARED}) == {
+        "image": [item_identity(embeds[0], modality="image", form="embeddings").hex()]
+    }
+    # An item that cannot be identified exactly is left to vLLM's own content
+    # hash, with or without a client's name for it; so is a modality vLLM
+    # cuts into items by the model's rules.
+    odd = (np.zeros((2, 4, 4, 3), dtype=np.uint8), {"fps": np.float32(2.0)})
+    assert checked_multi_modal_uuids({"video": [odd]}, {"video": SHARED}) == {"video": [None]}
+    fields = {"image_embeds": embeds, "image_grid_thw": torch.ones(1, 3, dtype=torch.int64)}
+    assert checked_multi_modal_uuids({"image": fields, "audio": wave}, {"image": SHARED}) == {
+        "audio": [item_identity(wave, modality="audio").hex()]
+    }
 
 
 def test_an_item_without_data_is_refused_whatever_its_uuid() -> None:
@@ -87,16 +99,36 @@ def test_an_item_without_data_is_refused_whatever_its_uuid() -> None:
 def test_a_uuid_naming_another_items_digest_is_refused() -> None:
     with pytest.raises(
         IdentifierMismatchError,
-        match=rf"^multi_modal_uuids\['image'\]\[1\]: expected the item's content digest "
-        rf"{BLUE_HEX} or a uuid that is not shaped as a digest, found {RED_HEX}$",
+        match=rf"^multi_modal_uuids\['image'\]\[1\]: expected the item's identity "
+        rf"{BLUE_HEX} \(or, scoped to its cache_salt, {BLUE_HEX}\) or a uuid that is not "
+        rf"shaped as a digest, found {RED_HEX}$",
     ):
         checked_multi_modal_uuids({"image": [RED, BLUE]}, {"image": [None, RED_HEX]})
+    # Another tenant's scoped identifier of the same picture is not this tenant's.
+    other = tenant_identifier(BLUE_HEX, cache_salt="b")
+    with pytest.raises(
+        IdentifierMismatchError,
+        match=rf"expected the item's identity {BLUE_HEX} \(or, scoped to its cache_salt, "
+        rf"{tenant_identifier(BLUE_HEX, cache_salt='a')}\) .*found {other}$",
+    ):
+        checked_multi_modal_uuids({"image": BLUE}, {"image": other}, cache_salt="a")
+    odd = (np.zeros((2, 4, 4, 3), dtype=np.uint8), {"fps": np.float32(2.0)})
+    with pytest.raises(
+        IdentifierMismatchError,
+        match=r"^multi_modal_uuids\['video'\]\[0\]: expected a uuid that is not shaped "
+        rf"as a digest for an item whose identity cannot be checked \(.*float32.*\), found "
+        rf"{RED_HEX}$",
+    ):
+        checked_multi_modal_uuids({"video": [odd]}, {"video": RED_HEX})
     with pytest.raises(
         IdentifierMismatchError,
         match=r"^multi_modal_uuids\['image'\]\[0\]: expected a uuid that is not shaped "
-        rf"as a digest for an item whose digest cannot be checked \(.*\), found {RED_HEX}$",
+        r"as a digest for an item whose identity cannot be checked \(vLLM cuts image data "
+        rf"given as a mapping by the model's rules\), found {RED_HEX}$",
     ):
-        checked_multi_modal_uuids({"image": torch.zeros(4, 8)}, {"image": RED_HEX})
+        checked_multi_modal_uuids(
+            {"image": {"image_embeds": torch.zeros(1, 4, 8)}}, {"image": RED_HEX}
+        )
     assert issubclass(IdentifierMismatchError, ValueError)
 
 
@@ -150,29 +182,40 @@ def pictures(folder: Path) -> dict[str, tuple[Image.Image, Path]]:
     return found
 
 
-def test_a_picture_has_the_digest_of_what_the_model_sees_whichever_way_it_arrives(
+def test_a_picture_has_the_identity_of_what_the_model_sees_whichever_way_it_arrives(
     tmp_path: Path,
 ) -> None:
-    """A PIL object of any mode (``LLM``) and its file as the server opens it: one digest."""
+    """A PIL object of any mode (``LLM``), its file's bytes, and the file as vLLM's own
+    loader decodes an upload: one identity."""
+    from vllm.multimodal.media.base import MediaWithBytes
+    from vllm.multimodal.media.image import ImageMediaIO
+
     rules = installed_rules()
     for name, (image, path) in pictures(tmp_path).items():
-        server = hash_image(load_image(path, rules=rules)).hex()
+        upload = ImageMediaIO().load_file(path)  # what the server hands the front end
+        server = content_identifier(upload, modality="image")
         assert content_identifier(image, modality="image") == server, name
+        assert content_identifier(path.read_bytes(), modality="image") == server, name
+        assert content_identifier(path, modality="image", rules=rules) == server, name
         found = checked_multi_modal_uuids({"image": image}, None)
         assert found == {"image": [server]}, name
         if name != "RGB-trns":  # the one picture the series make differently
-            assert content_identifier(image, modality="image") != hash_image(image).hex(), name
+            # Taken as it is, the unconverted picture would be another item.
+            as_is = content_identifier(MediaWithBytes(image, b""), modality="image")
+            assert as_is != server, name
 
 
 def test_the_series_differ_on_an_rgb_picture_with_a_transparent_colour(tmp_path: Path) -> None:
+    from vllm.multimodal.media.base import MediaWithBytes
+
     with Image.open(rgb_with_trns(tmp_path / "trns.png", 8)) as image:
         image.load()
         as_is = content_identifier(image, modality="image", rules=VLLM_RULES["0.32"])
         composited = content_identifier(image, modality="image", rules=VLLM_RULES["0.33"])
-        assert as_is == hash_image(image).hex()
+        assert as_is == content_identifier(MediaWithBytes(image, b""), modality="image")
         flat = Image.new("RGB", image.size, (255, 255, 255))
         flat.paste(image.convert("RGBA"), mask=image.convert("RGBA").getchannel("A"))
-        assert composited == hash_image(flat).hex()
+        assert composited == content_identifier(MediaWithBytes(flat, b""), modality="image")
         assert as_is != composited
 
 

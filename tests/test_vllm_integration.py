@@ -10,6 +10,7 @@ vLLM fails the run instead.
 from __future__ import annotations
 
 import importlib
+import io
 import os
 import sys
 from types import SimpleNamespace
@@ -24,9 +25,10 @@ from PIL import Image
 from vllm_harness import EngineHarness
 from vllm_managers import new_kv_cache_manager
 
-from hashing import ContentHash, hash_audio, hash_bytes, hash_identifier, hash_image
+from hashing import ContentHash, hash_identifier, hash_image
 from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
 from omnicache.block_hash import BlockHash, BlockHasher, block_hash_low64
+from omnicache.identity import UnidentifiableItemError, item_identity, tenant_identifier
 from omnicache.integrations.vllm import (
     UUID_NAMESPACE,
     OmniKVCacheManager,
@@ -89,8 +91,8 @@ SUFFIX = list(range(200, 208))  # a partial block after the image
 
 RED = Image.new("RGB", (8, 8), (255, 0, 0))
 BLUE = Image.new("RGB", (8, 8), (0, 0, 255))
-RED_HEX = hash_image(RED).hex()
-BLUE_HEX = hash_image(BLUE).hex()
+RED_HEX = item_identity(RED, modality="image").hex()
+BLUE_HEX = item_identity(BLUE, modality="image").hex()
 
 
 # -- a deterministic stand-in for the model --------------------------------------------
@@ -229,43 +231,56 @@ def test_module_imports_without_vllm_and_says_how_to_install(monkeypatch: Any) -
         module.make_mm_features({"image": RED}, {"image": []})
 
 
-def test_content_identifier_is_the_hashing_digest_in_hex() -> None:
+def test_content_identifier_is_the_items_identity_in_hex() -> None:
     wave = np.sin(np.linspace(0, 20, 800)).astype(np.float32)
     video = np.zeros((2, 4, 4, 3), dtype=np.uint8)
+    png = io.BytesIO()
+    RED.save(png, "PNG")
     assert content_identifier(RED, modality="image") == RED_HEX
-    assert content_identifier((wave, 16_000), modality="audio") == hash_audio(wave, 16_000).hex()
-    assert content_identifier(b"\x89PNG..", modality="image") == (
-        hash_bytes(b"\x89PNG..", modality="image").hex()
+    assert content_identifier(png.getvalue(), modality="image") == RED_HEX
+    assert content_identifier((wave, 16_000), modality="audio") == (
+        item_identity((wave, 16_000), modality="audio").hex()
     )
-    from hashing import hash_video
-
-    assert content_identifier(video, modality="video") == hash_video(video).hex()
+    assert content_identifier(video, modality="video") == (
+        item_identity(video, modality="video").hex()
+    )
     digest = hash_image(BLUE, context={"model": NAMESPACE})
     assert content_identifier(digest, modality="image") == digest.hex()
-    assert content_identifier(BLUE, modality="image", context={"model": NAMESPACE}) == digest.hex()
+    assert content_identifier(BLUE, modality="image", context={"model": NAMESPACE}) == (
+        item_identity(BLUE, modality="image", context={"model": NAMESPACE}).hex()
+    )
     assert content_identifier(RED, modality="image", algorithm="sha256") == (
-        hash_image(RED, algorithm="sha256").hex()
+        item_identity(RED, modality="image", algorithm="sha256").hex()
     )
 
 
-def test_content_identifier_rejects_what_it_cannot_hash() -> None:
-    wave = np.zeros(16, dtype=np.float32)
+def test_content_identifier_rejects_what_it_cannot_identify() -> None:
     with pytest.raises(
         ValueError, match=r"modality: expected one of \('image', 'audio', 'video'\), found 'text'"
     ):
         content_identifier(RED, modality="text")
     with pytest.raises(TypeError, match=r"^modality: expected str, found NoneType$"):
         content_identifier(RED, modality=None)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"expected for audio a \(waveform, sampling_rate\) tuple"):
-        content_identifier(wave, modality="audio")
+    with pytest.raises(UnidentifiableItemError, match=r"expected audio as samples .*found dict"):
+        content_identifier({"samples": 1}, modality="audio")
     with pytest.raises(ValueError, match=r"expected a 32-byte blake3 ContentHash, found 16 bytes"):
         content_identifier(ContentHash(b"x" * 16), modality="image")
 
 
-def test_multi_modal_uuids_lists_identifiers_per_modality() -> None:
+def test_multi_modal_uuids_lists_identifiers_per_modality_scoped_to_the_salt() -> None:
     wave = np.ones(400, dtype=np.float32)
+    clip = item_identity((wave, 8_000), modality="audio").hex()
     uuids = multi_modal_uuids({"image": [RED, BLUE], "audio": (wave, 8_000)})
-    assert uuids == {"image": [RED_HEX, BLUE_HEX], "audio": [hash_audio(wave, 8_000).hex()]}
+    assert uuids == {"image": [RED_HEX, BLUE_HEX], "audio": [clip]}
+    salted = multi_modal_uuids({"image": [RED, BLUE], "audio": (wave, 8_000)}, cache_salt="a")
+    assert salted == {
+        "image": [
+            tenant_identifier(RED_HEX, cache_salt="a"),
+            tenant_identifier(BLUE_HEX, cache_salt="a"),
+        ],
+        "audio": [tenant_identifier(clip, cache_salt="a")],
+    }
+    assert len({*salted["image"], *uuids["image"]}) == 4
     with pytest.raises(ValueError, match=r"mm_data: expected modalities among .*found 'depth'"):
         multi_modal_uuids({"depth": RED})
 

@@ -62,13 +62,14 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
-from hashing import ALGORITHMS, Algorithm, ContentHash, hash_audio, hash_bytes, hash_image
+from hashing import ALGORITHMS, Algorithm, ContentHash
 from omnicache.demo.config import CacheConfig, ModelConfig
 from omnicache.demo.engine import ServingEngine
 from omnicache.demo.model import TinyOmniModel
 from omnicache.demo.oracle import ATOL, RTOL, ProgressFn, RunReport, check_fits, run_cached
 from omnicache.demo.processor import Processor
 from omnicache.demo.workloads import SyntheticConfig, Trace, TraceError, load_trace, synthetic_trace
+from omnicache.identity import item_identity
 from omnicache.media import (
     AUDIO_EXTENSIONS,
     DEFAULT_SERIES,
@@ -76,9 +77,6 @@ from omnicache.media import (
     MediaError,
     MediaRules,
     image_extensions,
-    load_audio,
-    load_image,
-    read_file,
 )
 
 if TYPE_CHECKING:
@@ -100,18 +98,15 @@ _EMBEDDED_ONLY = ("quick", "block_size", "algorithm", "salt", "plot", "progress"
 QUICK_MODEL = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, mlp_size=128)
 QUICK_TRACE = SyntheticConfig(num_requests=24, num_images=8, num_audio_clips=3)
 
-# Encoded media that `hash` digests as file bytes, by extension: formats
-# `omnicache.media` does not decode (libsndfile reads no AAC; video is not
-# loaded here).
-_BYTES_MODALITY = {
-    ".m4a": "audio",
-    ".aac": "audio",
-    ".mp4": "video",
-    ".webm": "video",
-    ".mkv": "video",
-    ".mov": "video",
-    ".avi": "video",
-}
+# Encoded media `hash` refuses, by extension, and why: their identity is what a
+# server's own decoder makes of them, which is not reproduced here.
+_NOT_IDENTIFIED = {
+    **dict.fromkeys((".m4a", ".aac"), "libsndfile reads no AAC: the server decodes it with "
+                    "another backend, whose samples are not reproduced here"),
+    **dict.fromkeys((".mp4", ".webm", ".mkv", ".mov", ".avi"), "a video's identity covers "
+                    "the frames and metadata the server's video loader makes of it (its "
+                    "backend, num_frames and fps settings): pass those to multi_modal_uuids"),
+}  # fmt: skip
 
 # What --plot needs, and how to get it.
 _PLOT_EXTRA = "--plot needs matplotlib, which is not installed: pip install 'omnicache-mm[plot]'"
@@ -256,7 +251,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_serve_options(replay)
     _add_media_options(replay)
     hasher = commands.add_parser(
-        "hash", help="print the content digests a vLLM server computes for image and audio files"
+        "hash", help="print the identities a vLLM server gives image and audio files"
     )
     hasher.add_argument("files", type=Path, nargs="+", metavar="FILE")
     hasher.add_argument("--algorithm", choices=ALGORITHMS, default="blake3")
@@ -550,28 +545,27 @@ def _verdict(ok: bool, num_mismatches: int, mismatched: list[str], num_stale: in
 
 
 def _hash_file(path: Path, algorithm: Algorithm, rules: MediaRules) -> tuple[ContentHash, str]:
-    """The file's content digest and its kind ("image", "audio", or "<modality>-bytes").
+    """The file's identity (`omnicache.identity.item_identity`) and its modality.
 
     Raises:
-        MediaError: The file cannot be opened as the server would open it.
+        MediaError: The file cannot be opened as the server would open it,
+            or is of a kind whose identity cannot be computed here.
     """
     suffix = path.suffix.lower()
     if suffix in image_extensions():
-        return hash_image(load_image(path, rules=rules), algorithm=algorithm), "image"
-    if suffix in AUDIO_EXTENSIONS:
-        waveform, sample_rate = load_audio(path, rules=rules)
-        return hash_audio(waveform, sample_rate, algorithm=algorithm), "audio"
-    modality = _BYTES_MODALITY.get(suffix)
-    if modality is None:
+        modality = "image"
+    elif suffix in AUDIO_EXTENSIONS:
+        modality = "audio"
+    elif suffix in _NOT_IDENTIFIED:
+        raise MediaError(path, f"not identified here: {_NOT_IDENTIFIED[suffix]}")
+    else:
         raise MediaError(
             path,
             f"unknown file type {suffix or '(no extension)'!r}: expected an image "
-            f"({', '.join(sorted(image_extensions())[:6])}, ...), audio "
-            f"({', '.join(sorted(AUDIO_EXTENSIONS)[:6])}, ...), or encoded media "
-            f"({', '.join(sorted(_BYTES_MODALITY))})",
+            f"({', '.join(sorted(image_extensions())[:6])}, ...) or audio "
+            f"({', '.join(sorted(AUDIO_EXTENSIONS)[:6])}, ...)",
         )
-    data = read_file(path)
-    return hash_bytes(data, modality=modality, algorithm=algorithm), f"{modality}-bytes"
+    return item_identity(path, modality=modality, algorithm=algorithm, rules=rules), modality
 
 
 def _hash(args: argparse.Namespace) -> int:

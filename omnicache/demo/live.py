@@ -75,6 +75,7 @@ from omnicache.demo.tiny_models import (
     build_omni_model,
 )
 from omnicache.demo.workloads import AudioItem, ImageItem, Trace, TraceRequest
+from omnicache.identity import tenant_identifier
 from omnicache.integrations.vllm.common import (
     PROMPT_HIDDEN_STATES,
     SCHEDULER_CLS,
@@ -224,7 +225,7 @@ class TracePrompts:
         # id(item) -> (item, what vLLM gets, its identifier); the item keeps its id its own.
         self._items: dict[int, tuple[object, object, str]] = {}
 
-    def _item(self, item: ImageItem | AudioItem) -> tuple[object, str]:
+    def _item(self, item: ImageItem | AudioItem, cache_salt: str) -> tuple[object, str]:
         known = self._items.get(id(item))
         if known is None:
             if isinstance(item, ImageItem):
@@ -233,15 +234,18 @@ class TracePrompts:
             else:
                 data = (_mono_16k(item), AUDIO_SAMPLE_RATE)
                 modality = "audio"
-            (identifier,) = multi_modal_uuids({modality: data})[modality]
-            known = (item, data, identifier)
+            (identity,) = multi_modal_uuids({modality: data})[modality]
+            known = (item, data, identity)
             self._items[id(item)] = known
-        return known[1], known[2]
+        return known[1], tenant_identifier(known[2], cache_salt=cache_salt)
 
     def prompt(self, request: TraceRequest) -> dict[str, Any]:
         messages = []
         mm_data: dict[str, list[object]] = {"image": [], "audio": []}
         uuids: dict[str, list[str]] = {"image": [], "audio": []}
+        # NOTE: the tenant is part of the salt, so two tenants never share
+        # a chain even when their own salts are equal or missing.
+        cache_salt = json.dumps([request.tenant, request.cache_salt])
         for message in request.messages:
             parts = []
             for part in message.parts:
@@ -249,7 +253,7 @@ class TracePrompts:
                     parts.append({"type": "text", "text": part})
                     continue
                 modality = "image" if isinstance(part, ImageItem) else "audio"
-                data, identifier = self._item(part)
+                data, identifier = self._item(part, cache_salt)
                 mm_data[modality].append(data)
                 uuids[modality].append(identifier)
                 parts.append({"type": modality})
@@ -257,12 +261,7 @@ class TracePrompts:
         text = self._tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
-        prompt: dict[str, Any] = {
-            "prompt": text,
-            # NOTE: the tenant is part of the salt, so two tenants never share
-            # a chain even when their own salts are equal or missing.
-            "cache_salt": json.dumps([request.tenant, request.cache_salt]),
-        }
+        prompt: dict[str, Any] = {"prompt": text, "cache_salt": cache_salt}
         present = [modality for modality, items in mm_data.items() if items]
         if present:
             prompt["multi_modal_data"] = {modality: mm_data[modality] for modality in present}

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import blake3
 
-from hashing import Algorithm, ContentHash, hash_audio, hash_image
+from hashing import Algorithm, ContentHash
 from omnicache.annotations import AnnotatedTokens
 from omnicache.demo.config import (
     AUDIO_TOKEN_ID,
@@ -27,6 +27,7 @@ from omnicache.demo.config import (
     ModelConfig,
 )
 from omnicache.demo.workloads import ImageItem, MediaItem, Message
+from omnicache.identity import item_identity
 from omnicache.preprocess import annotate_prompt
 
 __all__ = ["PlaceholderRun", "Processor", "TokenizedPrompt"]
@@ -111,14 +112,15 @@ class Processor:
         return TokenizedPrompt(token_ids, tuple(runs))
 
     def content_hash(self, item: MediaItem) -> ContentHash:
-        """The item's content digest, computed once per item object."""
+        """The item's identity (`omnicache.identity`), computed once per item object."""
         cached = self._digests.get(id(item))
         if cached is not None:
             return cached[1]
         if isinstance(item, ImageItem):
-            digest = hash_image(item.image, algorithm=self.algorithm)
+            digest = item_identity(item.image, modality="image", algorithm=self.algorithm)
         else:
-            digest = hash_audio(item.waveform, item.sample_rate, algorithm=self.algorithm)
+            clip = (item.waveform, item.sample_rate)
+            digest = item_identity(clip, modality="audio", algorithm=self.algorithm)
         self._digests[id(item)] = (item, digest)
         self.num_items_hashed += 1
         return digest

@@ -5,10 +5,11 @@ importing it needs no vLLM; what builds vLLM objects raises an ImportError
 that says how to install it. Its modules follow vLLM's processes
 (docs/architecture.md draws the walk of one request through them):
 
-- front end (``LLM``'s process, the API server): ``identifiers`` (content
-  digests of images, audio and video as vLLM's item identifiers:
-  `multi_modal_uuids`) and ``frontend`` (vLLM's ``general_plugins`` entry
-  point: request fields checked, items identified by their content);
+- front end (``LLM``'s process, the API server): ``identifiers`` (each
+  image's, clip's and video's `omnicache.identity` as vLLM's item identifier,
+  scoped to its tenant: `multi_modal_uuids`) and ``frontend`` (vLLM's
+  ``general_plugins`` entry point: request fields checked, items identified
+  by their content and scoped to their tenant);
 - engine core: ``keys`` (`RequestBlockHasher`: omnicache keys in
   ``request.block_hashes``), ``manager`` (`OmniKVCacheManager`: vLLM's KV
   cache manager with hits capped to the rows the worker holds), ``mirror``
@@ -26,7 +27,6 @@ vLLM): ``scheduler``, ``connector``, ``worker``.
 
 from omnicache.integrations.vllm.common import INSTALL_HINT
 from omnicache.integrations.vllm.identifiers import (
-    SUPPORTED_MODALITIES,
     UUID_NAMESPACE,
     content_identifier,
     make_mm_features,
@@ -42,7 +42,6 @@ from omnicache.integrations.vllm.manager import OmniKVCacheManager, OmniStats
 
 __all__ = [
     "INSTALL_HINT",
-    "SUPPORTED_MODALITIES",
     "UUID_NAMESPACE",
     "OmniKVCacheManager",
     "OmniStats",

@@ -12,21 +12,26 @@ the server) that names what was expected and what was found:
   hidden states asked of an engine without omnicache's store or with
   ``n`` > 1. Requests without such fields are not looked at.
 - with ``OMNICACHE_MM_UUIDS=1``: every image, audio clip or video is
-  identified to the engine by the `hashing` digest of its decoded content
-  (`checked_multi_modal_uuids`), computed here, where items are still whole
-  (the engine core may receive an item's data as None when vLLM's processor
-  cache holds it). A PIL image is digested as vLLM's processor receives it
-  (upright, RGB), so the same picture sent as a PIL object of any mode to
-  ``LLM`` or as base64 to the server gets the same digest, and so the same
-  keys. A uuid a client sends is never the engine's identifier (vLLM's
-  processor and encoder caches are not salted per tenant): one shaped as a
-  digest must be the item's own, an item sent without data is refused.
+  identified to the engine by its `omnicache.identity` (what the model's
+  processor receives for it: a video's frames and metadata, a clip's samples
+  and rate), computed here, where items are still whole (the engine core may
+  receive an item's data as None when vLLM's processor cache holds it),
+  whatever the client called it (`checked_multi_modal_uuids`); and the
+  identifier vLLM derives for an item of a request with a ``cache_salt``
+  (from the identity, or its own content hash for an item omnicache does not
+  identify, with the request's processor and media kwargs) is scoped to the
+  salt (`omnicache.identity.tenant_identifier`), so that no cache vLLM keys
+  by it (processor cache, encoder cache, encoder-cache connectors, prefix
+  keys) is shared across tenants.
 
 This is the one module that patches vLLM, since vLLM has no extension point
-at either place: ``InputProcessor._validate_params``
-(``vllm/v1/engine/input_processor.py``) and
-``BaseRenderer._process_multimodal`` (``vllm/renderers/base.py``) are
-wrapped. Each wrapper checks the signature it was written for (`PATCHED`),
+at these places: ``InputProcessor._validate_params``
+(``vllm/v1/engine/input_processor.py``); ``BaseRenderer._process_tokens``
+and ``_process_tokens_async`` (which hand a request's salt on: vLLM gives
+none to what follows), ``BaseRenderer._process_multimodal`` (identities,
+``vllm/renderers/base.py``) and ``BaseMultiModalProcessor._get_mm_hashes``
+(every identifier vLLM derives, scoped; ``vllm/multimodal/processing/
+processor.py``) are wrapped. Each wrapper checks the signature it was written for (`PATCHED`),
 not a version: the identifier patch refuses to start on another signature;
 the request check, on by default for every vLLM with omnicache installed,
 logs a warning and stays out (the engine core then logs a bad value and
@@ -35,6 +40,7 @@ ignores it instead).
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import logging
@@ -42,6 +48,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from omnicache.identity import tenant_identifier
 from omnicache.integrations.vllm.common import check_request_fields, vllm_series
 from omnicache.integrations.vllm.identifiers import checked_multi_modal_uuids
 from omnicache.media import VLLM_RULES
@@ -51,10 +58,13 @@ __all__ = ["ENABLE_ENV", "PATCHED", "install_mm_uuids", "install_request_checks"
 ENABLE_ENV = "OMNICACHE_MM_UUIDS"
 
 PATCHED: dict[str, tuple[str, ...]] = {
+    "BaseRenderer._process_tokens": ("self", "prompt", "*", "skip_mm_cache"),
+    "BaseRenderer._process_tokens_async": ("self", "prompt", "*", "skip_mm_cache"),
     "BaseRenderer._process_multimodal": (
         "self", "prompt", "mm_data", "mm_uuids", "mm_processor_kwargs", "media_io_kwargs",
         "*", "skip_mm_cache",
     ),
+    "BaseMultiModalProcessor._get_mm_hashes": ("self", "inputs"),
     "InputProcessor._validate_params": ("self", "params", "supported_tasks"),
 }  # fmt: skip
 """The parameters of each function the module wraps, as vLLM 0.32 and 0.33 have them
@@ -142,39 +152,74 @@ def _request_field_error() -> type[ValueError]:
     return RequestFieldError
 
 
-def _decoded(modality: str, item: object) -> object:
-    """What vLLM's media loaders made of an item, unwrapped for `content_identifier`."""
-    media = getattr(item, "media", None)
-    if media is not None and type(item).__name__ == "MediaWithBytes":
-        item = media  # the decoded image or video next to its encoded bytes
-    if modality == "video" and isinstance(item, tuple) and len(item) == 2:
-        frames, metadata = item
-        if isinstance(metadata, dict):
-            return frames  # vLLM's loaders give (frames, metadata)
-    return item
+class _SaltedUuids(dict):  # type: ignore[type-arg]
+    """A request's ``multi_modal_uuids`` with its ``cache_salt``, from `_process_tokens` on.
+
+    vLLM hands ``_process_multimodal`` the uuids but not the salt, and runs it
+    on another thread for the server: the salt travels with the uuids. A
+    dict, so that vLLM reads it as the uuids should anything else get it.
+    """
+
+    def __init__(self, uuids: Mapping[str, object] | None, cache_salt: str | None) -> None:
+        super().__init__(uuids or {})
+        self.given = uuids
+        self.cache_salt = cache_salt
+
+
+# The salt of the request whose items the current thread processes: set around
+# vLLM's processing (which runs on one thread), read where its identifiers are made.
+_SALT: contextvars.ContextVar[str | None] = contextvars.ContextVar("omnicache_salt", default=None)
+
+
+def _with_salt(prompt: Any) -> Any:
+    """The prompt, its uuids carrying its salt (a copy; the caller's prompt is left as it is)."""
+    if not isinstance(prompt, Mapping) or not prompt.get("multi_modal_data"):
+        return prompt
+    salted = _SaltedUuids(prompt.get("multi_modal_uuids"), prompt.get("cache_salt"))
+    return {**prompt, "multi_modal_uuids": salted}
 
 
 def install_mm_uuids() -> None:
-    """Makes vLLM's renderers identify every item by its content digest (idempotent).
+    """Makes vLLM's front end identify every item by its identity, scoped to its tenant.
+
+    Idempotent.
 
     Raises:
-        RuntimeError: ``BaseRenderer._process_multimodal`` is not the
-            function this was written for (`PATCHED`).
+        RuntimeError: a function it wraps is not the one this was written
+            for (`PATCHED`).
     """
     series = vllm_series()
+    from vllm.multimodal.processing.processor import BaseMultiModalProcessor
     from vllm.renderers.base import BaseRenderer
 
-    original = BaseRenderer._process_multimodal
-    if getattr(original, _MARK, False):
+    targets = {
+        "BaseRenderer._process_tokens": (BaseRenderer, "_process_tokens"),
+        "BaseRenderer._process_tokens_async": (BaseRenderer, "_process_tokens_async"),
+        "BaseRenderer._process_multimodal": (BaseRenderer, "_process_multimodal"),
+        "BaseMultiModalProcessor._get_mm_hashes": (BaseMultiModalProcessor, "_get_mm_hashes"),
+    }
+    originals = {name: getattr(owner, attr) for name, (owner, attr) in targets.items()}
+    if all(getattr(original, _MARK, False) for original in originals.values()):
         return
-    mismatch = _signature_mismatch("BaseRenderer._process_multimodal", original)
-    if mismatch is not None:
-        raise RuntimeError(
-            f"{ENABLE_ENV}=1: the front-end patch does not fit this vLLM ({mismatch}); unset "
-            f"{ENABLE_ENV} and pass multi_modal_uuids=omnicache.integrations.vllm."
-            "multi_modal_uuids(mm_data) in each prompt instead"
-        )
+    for name, original in originals.items():
+        mismatch = None if getattr(original, _MARK, False) else _signature_mismatch(name, original)
+        if mismatch is not None:
+            raise RuntimeError(
+                f"{ENABLE_ENV}=1: the front-end patch does not fit this vLLM ({mismatch}); "
+                f"unset {ENABLE_ENV} and pass multi_modal_uuids=omnicache.integrations.vllm."
+                "multi_modal_uuids(mm_data, cache_salt=...) in each prompt instead"
+            )
     rules = VLLM_RULES[series.rstrip(".")]
+    process_tokens = originals["BaseRenderer._process_tokens"]
+    process_tokens_async = originals["BaseRenderer._process_tokens_async"]
+    process_multimodal = originals["BaseRenderer._process_multimodal"]
+    get_mm_hashes = originals["BaseMultiModalProcessor._get_mm_hashes"]
+
+    def _process_tokens(self: Any, prompt: Any, *, skip_mm_cache: bool = False) -> Any:
+        return process_tokens(self, _with_salt(prompt), skip_mm_cache=skip_mm_cache)
+
+    async def _process_tokens_async(self: Any, prompt: Any, *, skip_mm_cache: bool = False) -> Any:
+        return await process_tokens_async(self, _with_salt(prompt), skip_mm_cache=skip_mm_cache)
 
     def _process_multimodal(
         self: Any,
@@ -186,17 +231,46 @@ def install_mm_uuids() -> None:
         *,
         skip_mm_cache: bool = False,
     ) -> Any:
-        mm_uuids = checked_multi_modal_uuids(mm_data, mm_uuids, unwrap=_decoded, rules=rules)
-        return original(
-            self,
-            prompt,
-            mm_data,
-            mm_uuids,
-            mm_processor_kwargs,
-            media_io_kwargs,
-            skip_mm_cache=skip_mm_cache,
-        )
+        salt = None
+        if isinstance(mm_uuids, _SaltedUuids):
+            salt = mm_uuids.cache_salt
+            mm_uuids = mm_uuids.given
+        identities = checked_multi_modal_uuids(mm_data, mm_uuids, cache_salt=salt, rules=rules)
+        token = _SALT.set(salt)
+        try:
+            return process_multimodal(
+                self,
+                prompt,
+                mm_data,
+                identities,
+                mm_processor_kwargs,
+                media_io_kwargs,
+                skip_mm_cache=skip_mm_cache,
+            )
+        finally:
+            _SALT.reset(token)
 
-    setattr(_process_multimodal, _MARK, True)
-    _process_multimodal.__wrapped__ = original  # type: ignore[attr-defined]
-    BaseRenderer._process_multimodal = _process_multimodal
+    def _get_mm_hashes(self: Any, inputs: Any) -> Any:
+        hashes = get_mm_hashes(self, inputs)
+        salt = _SALT.get()
+        if not salt:
+            return hashes
+        return {
+            modality: [tenant_identifier(value, cache_salt=salt) for value in values]
+            for modality, values in hashes.items()
+        }
+
+    wrappers = {
+        "BaseRenderer._process_tokens": _process_tokens,
+        "BaseRenderer._process_tokens_async": _process_tokens_async,
+        "BaseRenderer._process_multimodal": _process_multimodal,
+        "BaseMultiModalProcessor._get_mm_hashes": _get_mm_hashes,
+    }
+    for name, wrapper in wrappers.items():
+        owner, attr = targets[name]
+        original = originals[name]
+        if getattr(original, _MARK, False):
+            continue
+        setattr(wrapper, _MARK, True)
+        wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+        setattr(owner, attr, wrapper)

@@ -1,43 +1,36 @@
-"""vLLM's multimodal inputs -> identifiers: each item's `hashing` digest in hex.
+"""vLLM's multimodal inputs -> identifiers: each item's `omnicache.identity` in hex.
 
-`content_identifier`, `multi_modal_uuids` and `make_mm_features` turn vLLM's
-multimodal inputs (PIL images, ``(waveform, sampling_rate)`` audio, video
-arrays) into identifiers through `hashing`, so that the keys the engine
-computes equal the keys omnicache computes for the same prompt. A PIL image
-is digested as vLLM's processor receives it (`omnicache.media.model_image`:
-upright, RGB over white), so one picture has one digest whichever way it
-reaches vLLM. `checked_multi_modal_uuids` is a front end's rule for the
+`multi_modal_uuids` and `make_mm_features` name vLLM's multimodal inputs by
+`omnicache.identity.item_identity`, the one identity every path uses, so
+that the keys the engine computes equal the keys omnicache computes for the
+same prompt; `checked_multi_modal_uuids` is the front end's rule for the
 uuids clients send (docs/architecture.md, "Identifiers and tenants").
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from PIL import Image
-
-from hashing import (
-    DEFAULT_ALGORITHM,
-    Algorithm,
-    ContentHash,
-    digest_size,
-    hash_audio,
-    hash_bytes,
-    hash_image,
-    hash_video,
+from hashing import DEFAULT_ALGORITHM, Algorithm, ContentHash, digest_size
+from omnicache.checks import type_name
+from omnicache.identity import (
+    MODALITIES,
+    Item,
+    UnidentifiableItemError,
+    item_identity,
+    split_items,
+    tenant_identifier,
 )
-from omnicache.checks import check_str, type_name
 from omnicache.integrations.vllm.common import require_vllm, vllm_series
-from omnicache.media import DEFAULT_SERIES, VLLM_RULES, MediaRules, model_image
+from omnicache.media import DEFAULT_SERIES, VLLM_RULES, MediaRules
 
 if TYPE_CHECKING:
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 
 __all__ = [
     "HEX_DIGEST",
-    "SUPPORTED_MODALITIES",
     "UUID_NAMESPACE",
     "DataLessItemError",
     "IdentifierMismatchError",
@@ -55,42 +48,31 @@ UUID_NAMESPACE = "omnicache.vllm.mm_uuid"
 """Namespace (``UUID_NAMESPACE/<modality>``) under which an identifier that is
 not a hex digest (a client's uuid) is hashed before it enters a key."""
 
-SUPPORTED_MODALITIES = ("image", "audio", "video")
-
 
 def content_identifier(
     item: object,
     /,
     *,
     modality: str,
+    form: str | None = None,
     algorithm: Algorithm = DEFAULT_ALGORITHM,
     context: Mapping[str, object] | None = None,
     rules: MediaRules | None = None,
 ) -> str:
-    """The identifier of one vLLM multimodal item: its `hashing` digest in hex.
+    """The identifier of one vLLM multimodal item: its `item_identity` in hex.
 
     Args:
-        item: for "image" a PIL image (digested as vLLM's processor receives
-            it: `omnicache.media.model_image`) or a uint8 array/tensor; for
-            "audio" a ``(waveform, sampling_rate)`` tuple as vLLM takes it;
-            for "video" an array/tensor ``(frames, height, width[, channels])``
-            or a list of frames; for any modality the encoded file's bytes or
-            a precomputed `hashing.ContentHash`.
-        modality: one of `SUPPORTED_MODALITIES`.
-        algorithm: the content digest's algorithm ("blake3" by default).
-        context: processing parameters that change what the model sees (model
-            id, resize settings); they enter the digest.
-        rules: the vLLM series' rules a PIL image is made RGB by; None: those
-            of the installed vLLM (of `omnicache.media.DEFAULT_SERIES` where
-            none is importable).
+        item: one item in any form `omnicache.identity.item_identity` takes,
+            or a precomputed `hashing.ContentHash` (returned in hex).
+        modality, form, algorithm, context: see `item_identity`.
+        rules: the vLLM series' rules (`omnicache.media.VLLM_RULES`); None:
+            those of the installed vLLM (of `DEFAULT_SERIES` where none is
+            importable).
 
     Returns:
-        The digest as lowercase hex: what `RequestBlockHasher` reads back from
-        ``MultiModalFeatureSpec.identifier``.
+        The identity as lowercase hex: what `RequestBlockHasher` reads back
+        from ``MultiModalFeatureSpec.identifier``.
     """
-    check_str("modality", modality)
-    if modality not in SUPPORTED_MODALITIES:
-        raise ValueError(f"modality: expected one of {SUPPORTED_MODALITIES}, found {modality!r}")
     if isinstance(item, ContentHash):
         if len(item) != digest_size(algorithm):
             raise ValueError(
@@ -98,21 +80,15 @@ def content_identifier(
                 f"found {len(item)} bytes"
             )
         return item.hex()
-    if isinstance(item, (bytes, bytearray, memoryview)):
-        return hash_bytes(item, modality=modality, algorithm=algorithm, context=context).hex()
-    if modality == "audio":
-        if not (isinstance(item, tuple) and len(item) == 2):
-            raise TypeError(
-                "item: expected for audio a (waveform, sampling_rate) tuple, encoded bytes or "
-                f"a ContentHash, found {type_name(item)}"
-            )
-        waveform, sampling_rate = item
-        return hash_audio(waveform, sampling_rate, algorithm=algorithm, context=context).hex()
-    if modality == "image":
-        if isinstance(item, Image.Image):
-            item = model_image(item, rules=installed_rules() if rules is None else rules)
-        return hash_image(item, algorithm=algorithm, context=context).hex()
-    return hash_video(item, algorithm=algorithm, context=context).hex()
+    identity = item_identity(
+        item,
+        modality=modality,
+        form=form,
+        algorithm=algorithm,
+        context=context,
+        rules=installed_rules() if rules is None else rules,
+    )
+    return identity.hex()
 
 
 def installed_rules() -> MediaRules:
@@ -124,51 +100,67 @@ def installed_rules() -> MediaRules:
     return VLLM_RULES[series.rstrip(".")]
 
 
-def _modality_items(mm_data: Mapping[str, object], what: str) -> dict[str, list[object]]:
-    """vLLM's per-modality data as lists: a list holds several items, anything else is one."""
+def _modalities(mm_data: object, what: str) -> Mapping[str, object]:
     if not isinstance(mm_data, Mapping):
         raise TypeError(f"{what}: expected a mapping modality -> items, found {type_name(mm_data)}")
-    items: dict[str, list[object]] = {}
-    for modality, data in mm_data.items():
-        if modality not in SUPPORTED_MODALITIES:
-            raise ValueError(
-                f"{what}: expected modalities among {SUPPORTED_MODALITIES}, found {modality!r}"
-            )
-        items[modality] = list(data) if isinstance(data, list) else [data]
-    return items
+    for modality in mm_data:
+        if modality not in MODALITIES:
+            raise ValueError(f"{what}: expected modalities among {MODALITIES}, found {modality!r}")
+    return mm_data
 
 
 def multi_modal_uuids(
     mm_data: Mapping[str, object],
     /,
     *,
+    cache_salt: str | None = None,
     algorithm: Algorithm = DEFAULT_ALGORITHM,
     context: Mapping[str, object] | None = None,
+    rules: MediaRules | None = None,
 ) -> dict[str, list[str]]:
-    """The ``multi_modal_uuids`` of a vLLM prompt: each item's `content_identifier`.
+    """The ``multi_modal_uuids`` of a vLLM prompt: each item's identity, scoped to its tenant.
 
     Pass the result as the prompt's ``"multi_modal_uuids"`` next to its
-    ``"multi_modal_data"``: vLLM then uses these identifiers for every cache,
-    prefix caching included, instead of hashing the items itself.
+    ``"multi_modal_data"`` and its ``"cache_salt"``: vLLM then uses these
+    identifiers for every cache (processor, encoder, prefix) instead of
+    hashing the items itself, and none of them is shared across salts
+    (`omnicache.identity.tenant_identifier`). The front end
+    (``OMNICACHE_MM_UUIDS=1``) computes the same identifiers itself.
 
     NOTE: vLLM re-hashes a provided uuid together with ``mm_processor_kwargs``
-    or ``media_io_kwargs`` when a prompt has them; put such parameters in
-    ``context`` instead, or the engine's identifiers are vLLM's digests (still
-    content keys, but not the ones omnicache computes).
+    or ``media_io_kwargs`` when a prompt has them (still a content key, and
+    still scoped).
 
     Args:
-        mm_data: modality -> one item or a list of items, as in
-            ``multi_modal_data`` (see `content_identifier` for the item types).
+        mm_data: modality -> items, as in ``multi_modal_data``, cut into
+            items as vLLM cuts them (`omnicache.identity.split_items`).
+        cache_salt: the prompt's ``cache_salt`` (None: items shared by all).
 
     Returns:
         modality -> identifiers, in the order of the items.
+
+    Raises:
+        UnidentifiableItemError: an item that cannot be identified exactly
+            (leave it out of ``multi_modal_uuids``: vLLM hashes it itself).
     """
+    checked = installed_rules() if rules is None else rules
     return {
         modality: [
-            content_identifier(item, modality=modality, algorithm=algorithm, context=context)
-            for item in items
+            tenant_identifier(
+                content_identifier(
+                    item.value,
+                    modality=modality,
+                    form=item.form,
+                    algorithm=algorithm,
+                    context=context,
+                    rules=checked,
+                ),
+                cache_salt=cache_salt,
+                algorithm=algorithm,
+            )
+            for item in split_items(data, modality=modality)
         ]
-        for modality, items in _modality_items(mm_data, "mm_data").items()
+        for modality, data in _modalities(mm_data, "mm_data").items()
     }
 
 
@@ -177,52 +169,54 @@ def make_mm_features(
     mm_placeholders: Mapping[str, Sequence[PlaceholderRange]],
     /,
     *,
+    cache_salt: str | None = None,
     algorithm: Algorithm = DEFAULT_ALGORITHM,
     context: Mapping[str, object] | None = None,
 ) -> list[MultiModalFeatureSpec]:
-    """``MultiModalFeatureSpec``s whose identifiers are omnicache content digests.
+    """``MultiModalFeatureSpec``s whose identifiers are `multi_modal_uuids`.
 
     Args:
-        mm_data: modality -> one item or a list of items.
+        mm_data: modality -> items (see `multi_modal_uuids`).
         mm_placeholders: modality -> one ``PlaceholderRange`` per item, in
             the same order (what vLLM's processor returns).
 
     Returns:
         One feature per item, sorted by placeholder offset as vLLM sorts
-        them, with ``identifier == mm_hash ==`` the item's digest in hex and
-        no processed data.
+        them, with ``identifier == mm_hash ==`` the item's identifier and no
+        processed data.
     """
     require_vllm()
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 
-    items = _modality_items(mm_data, "mm_data")
+    identifiers = multi_modal_uuids(
+        mm_data, cache_salt=cache_salt, algorithm=algorithm, context=context
+    )
     if not isinstance(mm_placeholders, Mapping):
         raise TypeError(
             "mm_placeholders: expected a mapping modality -> PlaceholderRanges, found "
             f"{type_name(mm_placeholders)}"
         )
-    if set(mm_placeholders) != set(items):
+    if set(mm_placeholders) != set(identifiers):
         raise ValueError(
-            f"mm_placeholders: expected the modalities of mm_data {sorted(items)}, "
+            f"mm_placeholders: expected the modalities of mm_data {sorted(identifiers)}, "
             f"found {sorted(mm_placeholders)}"
         )
     features: list[MultiModalFeatureSpec] = []
-    for modality, modality_items in items.items():
+    for modality, modality_identifiers in identifiers.items():
         ranges = list(mm_placeholders[modality])
-        if len(ranges) != len(modality_items):
+        if len(ranges) != len(modality_identifiers):
             raise ValueError(
-                f"mm_placeholders[{modality!r}]: expected {len(modality_items)} ranges (one per "
-                f"item), found {len(ranges)}"
+                f"mm_placeholders[{modality!r}]: expected {len(modality_identifiers)} ranges "
+                f"(one per item), found {len(ranges)}"
             )
-        for index, (item, position) in enumerate(zip(modality_items, ranges, strict=True)):
+        for index, (identifier, position) in enumerate(
+            zip(modality_identifiers, ranges, strict=True)
+        ):
             if not isinstance(position, PlaceholderRange):
                 raise TypeError(
                     f"mm_placeholders[{modality!r}][{index}]: expected a PlaceholderRange, "
                     f"found {type_name(position)}"
                 )
-            identifier = content_identifier(
-                item, modality=modality, algorithm=algorithm, context=context
-            )
             features.append(
                 MultiModalFeatureSpec(
                     data=None,
@@ -261,7 +255,7 @@ def _uuid_items(
                 f"multi_modal_uuids: expected modalities among those of multi_modal_data "
                 f"{sorted(uuids)}, found {modality!r}"
             )
-        values = list(given) if isinstance(given, list) else [given]
+        values = _given_list(given)
         if len(values) != len(uuids[modality]):
             raise ValueError(
                 f"multi_modal_uuids[{modality!r}]: expected {len(uuids[modality])} uuids (one "
@@ -282,61 +276,62 @@ def checked_multi_modal_uuids(
     mm_uuids: Mapping[str, object] | None,
     /,
     *,
-    unwrap: Callable[[str, object], object] | None = None,
+    cache_salt: str | None = None,
     algorithm: Algorithm = DEFAULT_ALGORITHM,
     rules: MediaRules | None = None,
 ) -> dict[str, list[str | None]]:
-    """A front end's identifiers: each item's content digest, never a client's name.
+    """A front end's identifiers: each item's identity, never a client's name.
 
     vLLM keys its multimodal processor cache, its encoder cache and its
-    prefix cache by an item's identifier, and only the last is salted per
-    tenant: an identifier a client chooses would let one tenant's request
-    read what another tenant sent under the same name. So the engine is
-    given identifiers that name content only. For each item (in the order of
-    ``mm_data``), with ``given`` its uuid in ``mm_uuids`` (None when absent):
+    prefix cache by an item's identifier: an identifier a client chooses
+    would let one request read what another sent under the same name. So the
+    engine is given identifiers that name content only. For each item (in
+    the order vLLM cuts ``mm_data`` into items, `omnicache.identity.
+    split_items`), with ``given`` its uuid in ``mm_uuids`` (None when absent):
 
     - an item sent without data (None: a reference to an item vLLM cached
       under ``given``) is refused, whatever ``given`` is;
-    - an item with data gets its `content_identifier`; ``given`` is not
-      passed on. One shaped as a digest (`HEX_DIGEST`, which the engine takes
-      as content) must be the item's own digest: anything else would name
-      another item's blocks with this item's content, and is refused;
-    - an item that cannot be digested here (a modality or a type
-      `content_identifier` does not take, such as precomputed embeddings)
-      gets None: vLLM identifies it by its own content hash. A digest-shaped
-      ``given`` cannot be checked for it, and is refused.
+    - an item with data gets its identity; ``given`` is not passed on. One
+      shaped as a digest (`HEX_DIGEST`, which the engine takes as content)
+      must be the item's own identity, bare or scoped to ``cache_salt``
+      (what `multi_modal_uuids` gives): anything else would name another
+      item's blocks with this item's content, and is refused;
+    - an item that cannot be identified exactly (embeddings given as a
+      mapping of fields, a form `item_identity` refuses) gets None, and a
+      modality cut into items by the model's own rules is left out: vLLM
+      identifies those by its own content hash. A digest-shaped ``given``
+      cannot be checked for them, and is refused.
+
+    The identities returned are not scoped: the front end scopes whatever
+    identifier vLLM derives from them (`omnicache.identity.tenant_identifier`).
 
     Args:
-        mm_data: modality -> one item or a list of items (None for an item
-            referred to by uuid only).
+        mm_data: modality -> items (None for an item referred to by uuid only).
         mm_uuids: modality -> one uuid or a list of uuids (None for an item
             with none), or None.
-        unwrap: maps ``(modality, item)`` to what `content_identifier` takes
-            (a front end's own wrappers around decoded media); identity if None.
+        cache_salt: the request's ``cache_salt``.
         rules: see `content_identifier`.
 
     Returns:
-        modality -> identifiers in the order of the items: digests in hex,
-        or None where vLLM hashes the item itself.
+        modality -> identifiers in the order of the items: identities in
+        hex, or None where vLLM hashes the item itself.
 
     Raises:
         DataLessItemError: an item without data.
         IdentifierMismatchError: a digest-shaped uuid that is not the item's
-            digest, or that comes with an item that cannot be digested here.
+            identity, or that comes with an item that cannot be identified.
         TypeError, ValueError: ``mm_uuids`` does not match the items.
     """
-    if not isinstance(mm_data, Mapping):
-        raise TypeError(
-            f"multi_modal_data: expected a mapping modality -> items, found {type_name(mm_data)}"
-        )
-    items = {
-        modality: list(data) if isinstance(data, list) else [data]
-        for modality, data in mm_data.items()
+    checked_rules = installed_rules() if rules is None else rules
+    cut = {
+        modality: _cut(data, modality)
+        for modality, data in _modalities(mm_data, "multi_modal_data").items()
     }
-    uuids = _uuid_items(mm_uuids, {modality: len(values) for modality, values in items.items()})
-    for modality, values in items.items():
-        for index, item in enumerate(values):
-            if item is None:
+    counts = {modality: len(items) for modality, items in cut.items() if items is not None}
+    uuids = _uuid_items(_split_given(mm_uuids, cut), counts)
+    for modality, items in cut.items():
+        for index, item in enumerate(items or ()):
+            if item.value is None:
                 given = uuids[modality][index]
                 raise DataLessItemError(
                     f"multi_modal_data[{modality!r}][{index}]: expected the item's data, found "
@@ -344,28 +339,71 @@ def checked_multi_modal_uuids(
                     "since vLLM's processor and encoder caches would answer it with whatever "
                     "any tenant sent under that uuid"
                 )
-    for modality, values in items.items():
-        for index, item in enumerate(values):
+    for modality, items in cut.items():
+        if items is None:
+            continue
+        for index, item in enumerate(items):
             given = uuids[modality][index]
             where = f"multi_modal_uuids[{modality!r}][{index}]"
             shaped = given is not None and HEX_DIGEST.fullmatch(given) is not None
             try:
-                media = item if unwrap is None else unwrap(modality, item)
-                digest = content_identifier(
-                    media, modality=modality, algorithm=algorithm, rules=rules
+                identity = content_identifier(
+                    item.value,
+                    modality=modality,
+                    form=item.form,
+                    algorithm=algorithm,
+                    rules=checked_rules,
                 )
-            except (TypeError, ValueError) as exc:
+            except UnidentifiableItemError as exc:
                 if shaped:
                     raise IdentifierMismatchError(
                         f"{where}: expected a uuid that is not shaped as a digest for an item "
-                        f"whose digest cannot be checked ({exc}), found {given}"
+                        f"whose identity cannot be checked ({exc}), found {given}"
                     ) from exc
-                uuids[modality][index] = None  # not digestable here: vLLM hashes its content
+                uuids[modality][index] = None  # vLLM hashes its content
                 continue
-            if shaped and given != digest:
+            own = (identity, tenant_identifier(identity, cache_salt=cache_salt))
+            if shaped and given not in own:
                 raise IdentifierMismatchError(
-                    f"{where}: expected the item's content digest {digest} or a uuid that is "
-                    f"not shaped as a digest, found {given}"
+                    f"{where}: expected the item's identity {identity} (or, scoped to its "
+                    f"cache_salt, {own[1]}) or a uuid that is not shaped as a digest, found {given}"
                 )
-            uuids[modality][index] = digest
+            uuids[modality][index] = identity
     return uuids
+
+
+def _given_list(given: object) -> list[object]:
+    """A modality's given uuids as a list: a list or tuple of them, or one uuid."""
+    return list(given) if isinstance(given, (list, tuple)) else [given]
+
+
+def _cut(data: object, modality: str) -> list[Item] | None:
+    """vLLM's items of a modality, or None where vLLM cuts them by the model's own rules."""
+    try:
+        return split_items(data, modality=modality)
+    except UnidentifiableItemError:
+        return None
+
+
+def _split_given(
+    mm_uuids: Mapping[str, object] | None, cut: Mapping[str, list[Item] | None]
+) -> Mapping[str, object] | None:
+    """The given uuids of the modalities cut here; a digest-shaped one of another is refused."""
+    if mm_uuids is None or not isinstance(mm_uuids, Mapping):
+        return mm_uuids
+    for modality, given in mm_uuids.items():
+        if modality in cut and cut[modality] is None:
+            values = _given_list(given)
+            for index, value in enumerate(values):
+                if isinstance(value, str) and HEX_DIGEST.fullmatch(value):
+                    raise IdentifierMismatchError(
+                        f"multi_modal_uuids[{modality!r}][{index}]: expected a uuid that is not "
+                        "shaped as a digest for an item whose identity cannot be checked (vLLM "
+                        f"cuts {modality} data given as a mapping by the model's rules), found "
+                        f"{value}"
+                    )
+    return {
+        modality: given
+        for modality, given in mm_uuids.items()
+        if not (modality in cut and cut[modality] is None)
+    }
