@@ -29,9 +29,10 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from hashing import hash_audio, hash_image
+from hashing import ContentHash
 from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
 from omnicache.block_hash import BlockHash, BlockHasher, block_hash_low64
+from omnicache.identity import item_identity, tenant_identifier
 from omnicache.integrations.vllm.common import live_engine_missing
 
 SCHEDULER = "omnicache.integrations.vllm.scheduler.OmniScheduler"
@@ -129,6 +130,13 @@ def prefix_counters(llm: Any) -> tuple[int, int]:
 def run_one(llm: Any, prompt: dict[str, Any]) -> Any:
     (output,) = llm.generate(prompt, GREEDY, use_tqdm=False)
     return output
+
+
+def item_digest(item: object, modality: str, cache_salt: str | None = None) -> ContentHash:
+    """The digest an item's blocks are keyed by: its identity, scoped to the request's salt
+    (what `multi_modal_uuids` gives the engine, and the front end computes)."""
+    identity = item_identity(item, modality=modality).hex()
+    return ContentHash(bytes.fromhex(tenant_identifier(identity, cache_salt=cache_salt)))
 
 
 def full_block_keys(
@@ -369,7 +377,7 @@ def image_prompt(
         "multi_modal_data": mm_data,
     }
     if with_uuids:
-        prompt["multi_modal_uuids"] = multi_modal_uuids(mm_data)
+        prompt["multi_modal_uuids"] = multi_modal_uuids(mm_data, cache_salt=cache_salt)
     if cache_salt is not None:
         prompt["cache_salt"] = cache_salt
     return prompt
@@ -420,9 +428,10 @@ def test_images_hit_as_prefix_caching_does_with_omnicache_digests(
     assert a_again.outputs[0].token_ids == a_first.outputs[0].token_ids
     assert a_salted.outputs[0].token_ids == a_first.outputs[0].token_ids
 
-    # The engine's keys are omnicache's over the tokens and the image's content digest.
+    # The engine's keys are omnicache's over the tokens and the image's identity,
+    # scoped to the request's salt.
     def keys(output: Any, image_seed: int, cache_salt: str | None = None) -> set[bytes]:
-        digest = hash_image(picture(image_seed))
+        digest = item_digest(picture(image_seed), "image", cache_salt)
         annotation = TokenRangeAnnotation(offset, length, digest, 0, length)
         return {
             bytes(key)
@@ -482,7 +491,7 @@ llm = LLM(**t.engine_args(model, scheduler_cls=t.SCHEDULER, limit_mm_per_prompt=
 outputs = [t.run_one(llm, t.image_prompt(t.picture(1), with_uuids=False)) for _ in range(2)]
 # An image sent with another image's digest as its uuid (here B named as A).
 named_a = t.image_prompt(t.picture(2), with_uuids=False)
-named_a["multi_modal_uuids"] = {"image": [t.hash_image(t.picture(1)).hex()]}
+named_a["multi_modal_uuids"] = {"image": [t.item_digest(t.picture(1), "image").hex()]}
 try:
     t.run_one(llm, named_a)
     refused = None
@@ -516,16 +525,16 @@ def test_frontend_plugin_fills_in_omnicache_digests(models: dict[str, Path]) -> 
     assert found["hits"] == [0, full, full]
     # An image sent under another image's digest is refused before it is
     # scheduled; the image it named is served from its own blocks as before.
-    digest_a, digest_b = (hash_image(picture(seed)).hex() for seed in (1, 2))
+    digest_a, digest_b = (item_digest(picture(seed), "image").hex() for seed in (1, 2))
     assert found["refused"] == [
         "IdentifierMismatchError",
-        f"multi_modal_uuids['image'][0]: expected the item's content digest {digest_b} or a "
-        f"uuid that is not shaped as a digest, found {digest_a}",
+        f"multi_modal_uuids['image'][0]: expected the item's identity {digest_b} or a uuid "
+        f"that is not shaped as a digest, found {digest_a}",
     ]
     assert found["same_output"]
     assert before_image < full
     # The image's digest was computed in the child's front end, from the image itself.
-    annotation = TokenRangeAnnotation(offset, length, hash_image(picture(1)), 0, length)
+    annotation = TokenRangeAnnotation(offset, length, item_digest(picture(1), "image"), 0, length)
     expected = full_block_keys(models["vl"], found["computed"], [annotation])
     assert found["keys"] == sorted(key.hex() for key in expected)
 
@@ -555,7 +564,7 @@ def audio_prompt(waveform: Any, cache_salt: str | None = None) -> dict[str, Any]
             "What is it?<|im_end|>\n<|im_start|>assistant\n"
         ),
         "multi_modal_data": mm_data,
-        "multi_modal_uuids": multi_modal_uuids(mm_data),
+        "multi_modal_uuids": multi_modal_uuids(mm_data, cache_salt=cache_salt),
     }
     if cache_salt is not None:
         prompt["cache_salt"] = cache_salt
@@ -624,7 +633,7 @@ def test_audio_hits_as_prefix_caching_does_with_omnicache_digests(
     # bos and eos tokens lie outside it) and every one of them receives an
     # embedding (no is_embed): the annotation covers the whole range.
     def keys(output: Any, seed: int, cache_salt: str | None = None) -> set[bytes]:
-        digest = hash_audio(sound(seed), AUDIO_SAMPLE_RATE)
+        digest = item_digest((sound(seed), AUDIO_SAMPLE_RATE), "audio", cache_salt)
         annotation = TokenRangeAnnotation(offset, length, digest, 0, length)
         return {
             bytes(key)

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import test_vllm_live as live
 
-from hashing import hash_image
 from omnicache.annotations import TokenRangeAnnotation
 
 if TYPE_CHECKING:
@@ -149,7 +148,8 @@ def block_keys(model: Path, run: dict[str, Any], index: int) -> list[bytes]:
     """omnicache's keys of the full blocks request ``index`` of ``run`` computed."""
     seed, salt = run["requests"][index]
     offset, length = run["span"]
-    annotation = TokenRangeAnnotation(offset, length, hash_image(live.picture(seed)), 0, length)
+    digest = live.item_digest(live.picture(seed), "image", salt)
+    annotation = TokenRangeAnnotation(offset, length, digest, 0, length)
     keys = live.full_block_keys(model, run["computed"][index], [annotation], salt)
     return [bytes(key) for key in keys]
 

@@ -31,6 +31,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import pytest
 from PIL import Image
 from ports import free_port
@@ -41,14 +42,16 @@ from test_vllm_live import (
     SCHEDULER,
     EventListener,
     full_block_keys,
+    item_digest,
     picture,
     token_span,
 )
 
-from hashing import ContentHash, hash_audio, hash_identifier, hash_image
+from hashing import ContentHash, hash_identifier
 from omnicache.annotations import TokenRangeAnnotation
 from omnicache.block_hash import block_hash_low64
 from omnicache.demo.tiny_models import OMNI_AUDIO_PAD, OMNI_IMAGE_PAD
+from omnicache.identity import item_identity
 from omnicache.integrations.vllm import UUID_NAMESPACE
 
 pytestmark = pytest.mark.vllm_live
@@ -215,7 +218,7 @@ SEQUENCE: list[Step] = [
     Step("b", B),
     Step("b again", B),
     Step("malformed", GARBAGE_URL),
-    Step("b named as a", B, hash_image(picture(A)).hex()),
+    Step("b named as a", B, item_digest(picture(A), "image").hex()),
     Step("a after", A),
     Step("b after", B),
     # A client's own name for a picture is not the engine's identifier.
@@ -335,7 +338,8 @@ def prompt_keys(model: Path, body: dict[str, Any], step: Step) -> list[Any]:
     """omnicache's keys of the full blocks a completed request computed: over its picture's
     content, whatever uuid came with it."""
     assert isinstance(step.image, int)
-    return digest_keys(model, body, hash_image(picture(step.image)), step.cache_salt)
+    digest = item_digest(picture(step.image), "image", step.cache_salt)
+    return digest_keys(model, body, digest, step.cache_salt)
 
 
 def digest_keys(
@@ -403,12 +407,12 @@ def test_uuid_naming_another_images_digest_is_refused(served: dict[str, Any]) ->
     result = served["b named as a"]
     assert result["status"] == 400
     assert (result["queries"], result["hits"]) == (0, 0)
-    digest_a = hash_image(picture(A)).hex()
-    digest_b = hash_image(picture(B)).hex()
+    digest_a = item_digest(picture(A), "image").hex()
+    digest_b = item_digest(picture(B), "image").hex()
     message = result["body"]["error"]["message"]
     assert (
-        f"multi_modal_uuids['image'][0]: expected the item's content digest {digest_b} or a "
-        f"uuid that is not shaped as a digest, found {digest_a}"
+        f"multi_modal_uuids['image'][0]: expected the item's identity {digest_b} or a uuid "
+        f"that is not shaped as a digest, found {digest_a}"
     ) in message
 
 
@@ -431,7 +435,7 @@ def test_server_blocks_are_keyed_by_omnicache_digests(served: dict[str, Any]) ->
         not {block_hash_low64(key) for key in by_uuid}
         - {
             block_hash_low64(key)
-            for key in digest_keys(served["model"], body, hash_image(picture(B)))
+            for key in digest_keys(served["model"], body, item_digest(picture(B), "image"))
         }
         & served["events"]
     )
@@ -569,7 +573,7 @@ def test_omnicache_hash_prints_the_digest_the_server_keys_an_upload_by(
     # none of the keys over its image was stored.
     path = files["jpeg-exif-6"][0]
     with Image.open(path) as stored:
-        sideways = hash_image(stored.convert("RGB"))
+        sideways = item_digest(Image.fromarray(np.asarray(stored.convert("RGB"))), "image")
     assert sideways != digests["jpeg-exif-6"]
     body = bodies["jpeg-exif-6"]
     upright_keys = set(digest_keys(vl_model, body, digests["jpeg-exif-6"]))
@@ -636,7 +640,7 @@ def test_omnicache_hash_prints_the_digest_of_what_vllms_audio_loader_returns(
 
     The server runs ``AudioMediaIO().load_bytes(data)`` on an audio upload
     before it resamples; called here in the live environment, its output's
-    `hashing.hash_audio` is what omnicache's front end would key by.
+    identity is what omnicache's front end would key by.
     """
     from media_files import tone, write_audio
     from vllm.multimodal.media.audio import AudioMediaIO
@@ -648,4 +652,4 @@ def test_omnicache_hash_prints_the_digest_of_what_vllms_audio_loader_returns(
     ]
     for path in clips:
         waveform, sample_rate = AudioMediaIO().load_bytes(path.read_bytes())
-        assert cli_digest(path) == hash_audio(waveform, sample_rate), path.name
+        assert cli_digest(path) == item_identity((waveform, sample_rate), modality="audio")

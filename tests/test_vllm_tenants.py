@@ -35,6 +35,7 @@ from PIL import Image
 
 from hashing import ContentHash, hash_identifier, hash_image
 from omnicache.annotations import TokenRangeAnnotation
+from omnicache.identity import item_identity, tenant_identifier
 from omnicache.integrations.vllm import UUID_NAMESPACE
 from omnicache.media import load_image
 
@@ -188,11 +189,17 @@ def test_a_tenant_reusing_another_tenants_uuid_gets_its_own_picture(attack: dict
     assert attack["hits"] == {"a: x as shared-name": 0, "b: y as shared-name": 0, "rgba": 0}
 
 
+def identifier(image: Image.Image, salt: str | None) -> ContentHash:
+    """The identifier the front end gives a picture of a request salted ``salt``."""
+    identity = item_identity(image, modality="image").hex()
+    return ContentHash(bytes.fromhex(tenant_identifier(identity, cache_salt=salt)))
+
+
 def test_every_block_is_keyed_by_the_content_of_its_picture(attack: dict[str, Any]) -> None:
-    x, y = hash_image(live.picture(X_SEED)), hash_image(live.picture(Y_SEED))
-    a = keys_over(attack, "a: x as shared-name", x, "a")
-    b = keys_over(attack, "b: y as shared-name", y, "b")
-    rgba = keys_over(attack, "rgba", hash_image(load_image(attack["png"])), None)
+    x, y = live.picture(X_SEED), live.picture(Y_SEED)
+    a = keys_over(attack, "a: x as shared-name", identifier(x, "a"), "a")
+    b = keys_over(attack, "b: y as shared-name", identifier(y, "b"), "b")
+    rgba = keys_over(attack, "rgba", identifier(load_image(attack["png"]), None), None)
     # Exactly these blocks are cached: the uuid was no identifier, and the
     # refused requests below stored nothing.
     assert set(attack["keys"]) == set(attack["keys_after_refusals"]) == a | b | rgba
@@ -205,7 +212,7 @@ def test_every_block_is_keyed_by_the_content_of_its_picture(attack: dict[str, An
 def test_an_rgba_picture_is_what_the_server_makes_of_its_png(attack: dict[str, Any]) -> None:
     states = attack["states"]
     assert close(states["rgba"], states["off: rgba as the server opens it"])
-    composite = keys_over(attack, "rgba", hash_image(load_image(attack["png"])), None)
+    composite = keys_over(attack, "rgba", identifier(load_image(attack["png"]), None), None)
     with Image.open(attack["png"]) as opened:
         assert opened.mode == "RGBA"
         as_given = keys_over(attack, "rgba", hash_image(opened), None)

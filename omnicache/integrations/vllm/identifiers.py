@@ -362,11 +362,12 @@ def checked_multi_modal_uuids(
                     ) from exc
                 uuids[modality][index] = None  # vLLM hashes its content
                 continue
-            own = (identity, tenant_identifier(identity, cache_salt=cache_salt))
-            if shaped and given not in own:
+            scoped = tenant_identifier(identity, cache_salt=cache_salt)
+            if shaped and given not in (identity, scoped):
+                also = "" if scoped == identity else f" (or, scoped to its cache_salt, {scoped})"
                 raise IdentifierMismatchError(
-                    f"{where}: expected the item's identity {identity} (or, scoped to its "
-                    f"cache_salt, {own[1]}) or a uuid that is not shaped as a digest, found {given}"
+                    f"{where}: expected the item's identity {identity}{also} or a uuid that is "
+                    f"not shaped as a digest, found {given}"
                 )
             uuids[modality][index] = identity
     return uuids
