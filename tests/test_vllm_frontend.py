@@ -157,6 +157,42 @@ def test_the_uuids_must_match_the_items() -> None:
         checked_multi_modal_uuids("image", None)  # type: ignore[arg-type]
 
 
+def test_items_are_cut_into_as_many_as_vllms_parser_cuts_them_into() -> None:
+    """`omnicache.identity.split_items` against the installed vLLM's own parser."""
+    from vllm.multimodal.parse import MultiModalDataParser
+
+    from omnicache.identity import split_items
+
+    picture, frames = RED, np.zeros((2, 4, 4, 3), dtype=np.uint8)
+    metadata = {"fps": 2.0, "frames_indices": [0, 1]}
+    wave = np.zeros(64, dtype=np.float32)
+    forms = {
+        "image": [
+            picture, [picture, BLUE], np.zeros((4, 4, 3), np.uint8), np.zeros((3, 4, 4, 3)),
+            torch.zeros(2, 5, 8), [torch.zeros(5, 8)] * 3, [np.zeros((4, 4, 3), np.uint8)] * 2,
+        ],
+        "video": [
+            frames, [frames, frames], [picture, BLUE], list(frames), (frames, metadata),
+            [(frames, metadata)] * 2, torch.zeros(2, 5, 8), np.zeros((2, 2, 4, 4, 3)),
+        ],
+        "audio": [
+            wave, (wave, 16_000), [0.25, 0.5], np.zeros((3, 64)), [wave, wave],
+            [(wave, 16_000)] * 2, torch.zeros(2, 5, 8), torch.zeros(3, 64),
+        ],
+    }  # fmt: skip
+    parser = MultiModalDataParser(target_sr=16_000)  # the clips are at its rate
+    for modality, datas in forms.items():
+        for index, data in enumerate(datas):
+            items = split_items(data, modality=modality)
+            parsed = parser.parse_mm_data({modality: data})[modality]
+            assert len(items) == parsed.get_count(), (modality, index)
+            embeddings = type(parsed).__name__.endswith("EmbeddingItems")
+            assert [item.form == "embeddings" for item in items] == [embeddings] * len(items), (
+                modality,
+                index,
+            )
+
+
 # -- one picture, one digest ------------------------------------------------------------
 
 
