@@ -4,7 +4,9 @@ Same content gives the same digest in every process and on every machine
 (CPU or GPU tensors, contiguous or strided); any change the model would see
 gives a different one. The exact bytes hashed are defined in
 ``hashing._encoding`` (framing) and ``hashing._pil`` (PIL pixel layout) and
-pinned by ``tests/vectors/content_v1.json``.
+pinned by ``tests/vectors/content_v1.json``. `Encoder` and
+`canonical_context` write that framing for digests built on it (an item's
+identity, `omnicache.identity`).
 
     >>> from hashing import hash_identifier
     >>> hash_identifier("request-42", namespace="tenant-a").hex()[:16]
@@ -23,7 +25,7 @@ from hashing._content import (
     hash_image,
     hash_video,
 )
-from hashing._encoding import SCHEME
+from hashing._encoding import SCHEME, Encoder, canonical_context
 
 __all__ = [
     "ALGORITHMS",
@@ -31,6 +33,8 @@ __all__ = [
     "SCHEME",
     "Algorithm",
     "ContentHash",
+    "Encoder",
+    "canonical_context",
     "digest_size",
     "hash_array",
     "hash_array_rows",

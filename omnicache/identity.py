@@ -68,8 +68,16 @@ from typing import Any, NamedTuple
 import numpy as np
 from PIL import Image
 
-from hashing import DEFAULT_ALGORITHM, Algorithm, ContentHash, hash_array, hash_image, hash_video
-from hashing._encoding import Encoder, canonical_context
+from hashing import (
+    DEFAULT_ALGORITHM,
+    Algorithm,
+    ContentHash,
+    Encoder,
+    canonical_context,
+    hash_array,
+    hash_image,
+    hash_video,
+)
 from omnicache.checks import check_str, type_name
 from omnicache.media import (
     DEFAULT_SERIES,

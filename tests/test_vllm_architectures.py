@@ -39,6 +39,8 @@ import pytest
 import test_vllm_live as live
 from PIL import Image
 
+from omnicache.integrations.vllm.common import WORKER_CLS, store_kv_transfer_config
+
 pytestmark = live.pytestmark
 
 BLOCK = live.BLOCK_SIZE
@@ -184,13 +186,8 @@ ORACLE = [("a", 0), ("b", 0), ("a", 1)]
 
 def engine_args(model: Path, arch: Arch, **overrides: Any) -> dict[str, Any]:
     args: dict[str, Any] = {
-        "worker_cls": "omnicache.integrations.vllm.worker.OmniCPUWorker",
-        "kv_transfer_config": {
-            "kv_connector": "OmniStoreConnector",
-            "kv_connector_module_path": "omnicache.integrations.vllm.connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"max_staged_bytes": STAGED_BYTES},
-        },
+        "worker_cls": WORKER_CLS,
+        "kv_transfer_config": store_kv_transfer_config(max_staged_bytes=STAGED_BYTES),
         "kv_cache_memory_bytes": NUM_BLOCKS * (BLOCK_BYTES + STORE_BYTES) + STAGED_BYTES,
         "max_model_len": 1024,
         "limit_mm_per_prompt": {arch.modality: 1},

@@ -359,15 +359,20 @@ def test_hidden_states_are_asked_without_stop_strings_and_every_position_wins() 
 
 
 def test_the_functions_the_front_end_wraps_have_the_parameters_it_expects() -> None:
+    from vllm.multimodal.processing.processor import BaseMultiModalProcessor
     from vllm.renderers.base import BaseRenderer
     from vllm.v1.engine.input_processor import InputProcessor
 
     from omnicache.integrations.vllm import frontend
 
-    for name, owner in (
-        ("BaseRenderer._process_multimodal", BaseRenderer),
-        ("InputProcessor._validate_params", InputProcessor),
-    ):
+    owners = {
+        "BaseRenderer": BaseRenderer,
+        "InputProcessor": InputProcessor,
+        "BaseMultiModalProcessor": BaseMultiModalProcessor,
+    }
+    assert len(frontend.PATCHED) == 5
+    for name in frontend.PATCHED:
+        owner = owners[name.split(".")[0]]
         function = getattr(owner, name.split(".")[1])
         function = getattr(function, "__wrapped__", function)
         assert frontend._signature_mismatch(name, function) is None, name

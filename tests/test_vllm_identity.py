@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -161,40 +160,33 @@ def video_server(video_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 def oracle_states(model: Path, videos: dict[str, Path]) -> dict[str, Any]:
-    """Each file's prompt hidden states and tokens from an engine without caching."""
+    """Each file's prompt hidden states and tokens from an engine without caching (in process:
+    the caller holds the ``in_process`` fixture)."""
     from vllm import LLM, SamplingParams
 
     from omnicache.integrations.vllm.results import take_prompt_hidden_states
 
-    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    try:
-        llm = LLM(
-            **live.engine_args(
-                model,
-                enable_prefix_caching=False,
-                limit_mm_per_prompt={"video": 1},
-                worker_cls=WORKER,
-                kv_transfer_config=json.loads(CONNECTOR),
-            )
+    llm = LLM(
+        **live.engine_args(
+            model,
+            enable_prefix_caching=False,
+            limit_mm_per_prompt={"video": 1},
+            worker_cls=WORKER,
+            kv_transfer_config=json.loads(CONNECTOR),
         )
-        params = SamplingParams(max_tokens=live.MAX_TOKENS, temperature=0, extra_args=ASK)
-        found = {}
-        for name, path in videos.items():
-            (output,) = llm.chat(video_messages(path), params, use_tqdm=False)
-            (states,) = take_prompt_hidden_states(llm, [output])
-            found[name] = {"ids": list(output.prompt_token_ids), "states": states}
-        live.shut(llm)
-        return found
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
+    )
+    params = SamplingParams(max_tokens=live.MAX_TOKENS, temperature=0, extra_args=ASK)
+    found = {}
+    for name, path in videos.items():
+        (output,) = llm.chat(video_messages(path), params, use_tqdm=False)
+        (states,) = take_prompt_hidden_states(llm, [output])
+        found[name] = {"ids": list(output.prompt_token_ids), "states": states}
+    live.shut(llm)
+    return found
 
 
 def test_two_video_files_that_differ_in_fps_alone_share_no_block_and_get_their_own_rows(
-    video_server: Server, video_model: Path, videos: dict[str, Path]
+    video_server: Server, video_model: Path, videos: dict[str, Path], in_process: None
 ) -> None:
     import torch
 

@@ -199,10 +199,10 @@ def install_mm_uuids() -> None:
         "BaseMultiModalProcessor._get_mm_hashes": (BaseMultiModalProcessor, "_get_mm_hashes"),
     }
     originals = {name: getattr(owner, attr) for name, (owner, attr) in targets.items()}
-    if all(getattr(original, _MARK, False) for original in originals.values()):
-        return
+    if any(getattr(original, _MARK, False) for original in originals.values()):
+        return  # installed: every wrapper at once, below
     for name, original in originals.items():
-        mismatch = None if getattr(original, _MARK, False) else _signature_mismatch(name, original)
+        mismatch = _signature_mismatch(name, original)
         if mismatch is not None:
             raise RuntimeError(
                 f"{ENABLE_ENV}=1: the front-end patch does not fit this vLLM ({mismatch}); "
@@ -268,9 +268,6 @@ def install_mm_uuids() -> None:
     }
     for name, wrapper in wrappers.items():
         owner, attr = targets[name]
-        original = originals[name]
-        if getattr(original, _MARK, False):
-            continue
         setattr(wrapper, _MARK, True)
-        wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+        wrapper.__wrapped__ = originals[name]  # type: ignore[attr-defined]
         setattr(owner, attr, wrapper)
