@@ -79,6 +79,8 @@ def test_every_item_with_data_is_identified_by_its_content_whatever_uuid_it_came
     assert checked_multi_modal_uuids({"image": fields, "audio": wave}, {"image": SHARED}) == {
         "audio": [item_identity(wave, modality="audio").hex()]
     }
+    chunks = [{"type": "image", "image": RED}]  # a model's own modality (Kimi's vision chunks)
+    assert checked_multi_modal_uuids({"vision_chunk": chunks}, {"vision_chunk": SHARED}) == {}
 
 
 def test_an_item_without_data_is_refused_whatever_its_uuid() -> None:

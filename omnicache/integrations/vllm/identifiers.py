@@ -296,10 +296,11 @@ def checked_multi_modal_uuids(
       must be the item's own identity, bare or scoped to ``cache_salt``
       (what `multi_modal_uuids` gives): anything else would name another
       item's blocks with this item's content, and is refused;
-    - an item that cannot be identified exactly (embeddings given as a
-      mapping of fields, a form `item_identity` refuses) gets None, and a
-      modality cut into items by the model's own rules is left out: vLLM
-      identifies those by its own content hash. A digest-shaped ``given``
+    - an item that cannot be identified exactly (a form `item_identity`
+      refuses) gets None, and a modality cut into items by the model's own
+      rules (embeddings given as a mapping of fields, a modality such as
+      ``vision_chunk``) is left out: vLLM identifies those by its own
+      content hash. A digest-shaped ``given``
       cannot be checked for them, and is refused.
 
     The identities returned are not scoped: the front end scopes whatever
@@ -323,10 +324,11 @@ def checked_multi_modal_uuids(
         TypeError, ValueError: ``mm_uuids`` does not match the items.
     """
     checked_rules = installed_rules() if rules is None else rules
-    cut = {
-        modality: _cut(data, modality)
-        for modality, data in _modalities(mm_data, "multi_modal_data").items()
-    }
+    if not isinstance(mm_data, Mapping):
+        raise TypeError(
+            f"multi_modal_data: expected a mapping modality -> items, found {type_name(mm_data)}"
+        )
+    cut = {modality: _cut(data, modality) for modality, data in mm_data.items()}
     counts = {modality: len(items) for modality, items in cut.items() if items is not None}
     uuids = _uuid_items(_split_given(mm_uuids, cut), counts)
     for modality, items in cut.items():
@@ -379,7 +381,10 @@ def _given_list(given: object) -> list[object]:
 
 
 def _cut(data: object, modality: str) -> list[Item] | None:
-    """vLLM's items of a modality, or None where vLLM cuts them by the model's own rules."""
+    """vLLM's items of a modality, or None where vLLM cuts them by the model's own rules
+    (a mapping of embedding fields, a modality of the model's own such as ``vision_chunk``)."""
+    if modality not in MODALITIES:
+        return None
     try:
         return split_items(data, modality=modality)
     except UnidentifiableItemError:
