@@ -110,18 +110,24 @@ def _item_hasher(
 def _encoded_identity(
     item: bytes | bytearray | os.PathLike[str], where: str, identity: Callable[..., ContentHash]
 ) -> ContentHash:
-    """The identity of an encoded file: an image if Pillow reads it as one, else audio."""
+    """The identity of an encoded file: an image if Pillow identifies one, else audio.
+
+    A file Pillow identifies but cannot open (a decompression bomb, a broken
+    header) is an image: decoding it gives the reason.
+    """
     data = read_file(item) if isinstance(item, os.PathLike) else bytes(item)
     try:
         Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
-    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError):
+    except UnidentifiedImageError:
         try:
             return identity(data, modality="audio")
         except MediaError as exc:
             raise ValueError(
-                f"{where}: expected an encoded image or audio file, found neither "
-                f"(as audio: {exc.reason})"
+                f"{where}: expected an encoded image or audio file, found neither (as an "
+                f"image: no format the server accepts identifies it; as audio: {exc.reason})"
             ) from None
+    except (Image.DecompressionBombError, OSError, SyntaxError, ValueError):
+        pass  # NOTE: Pillow's plugins fail on a malformed header in these ways
     return identity(data, modality="image")
 
 

@@ -17,6 +17,7 @@ import omnicache.preprocess as preprocess
 from hashing import ContentHash, hash_identifier
 from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
 from omnicache.identity import item_identity
+from omnicache.media import MediaError
 from omnicache.preprocess import annotate_prompt
 
 T = TokenRangeAnnotation
@@ -109,8 +110,19 @@ def test_every_item_kind() -> None:
 
 
 def test_bytes_that_hold_neither_an_image_nor_audio_are_refused() -> None:
-    with pytest.raises(ValueError, match=re.escape("items[0]: expected an encoded image or audio")):
-        annotate_prompt([IMG], [b"\x89PNG fake file bytes"], placeholder_token_id=IMG)
+    for data in (b"fake file bytes", b"\x89PNG\r\n\x1a\n broken"):
+        with pytest.raises(ValueError) as info:
+            annotate_prompt([IMG], [data], placeholder_token_id=IMG)
+        assert str(info.value) == (
+            "items[0]: expected an encoded image or audio file, found neither (as an image: no "
+            "format the server accepts identifies it; as audio: cannot decode the audio: Format "
+            "not recognised.)"
+        )
+    # A picture Pillow identifies but refuses to open is refused as a picture, with the reason.
+    bomb = io.BytesIO()
+    Image.new("1", (20_000, 10_000)).save(bomb, "PNG")
+    with pytest.raises(MediaError, match=r"^<bytes>: expected at most 178,956,970 pixels"):
+        annotate_prompt([IMG], [bomb.getvalue()], placeholder_token_id=IMG)
 
 
 def test_uint8_tensor_is_an_image() -> None:

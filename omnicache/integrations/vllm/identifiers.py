@@ -364,13 +364,16 @@ def checked_multi_modal_uuids(
                     ) from exc
                 uuids[modality][index] = None  # vLLM hashes its content
                 continue
-            scoped = tenant_identifier(identity, cache_salt=cache_salt)
-            if shaped and given not in (identity, scoped):
-                also = "" if scoped == identity else f" (or, scoped to its cache_salt, {scoped})"
-                raise IdentifierMismatchError(
-                    f"{where}: expected the item's identity {identity}{also} or a uuid that is "
-                    f"not shaped as a digest, found {given}"
-                )
+            if shaped and given != identity:
+                scoped = tenant_identifier(identity, cache_salt=cache_salt)
+                if given != scoped:
+                    also = (
+                        "" if scoped == identity else f" (or, scoped to its cache_salt, {scoped})"
+                    )
+                    raise IdentifierMismatchError(
+                        f"{where}: expected the item's identity {identity}{also} or a uuid that "
+                        f"is not shaped as a digest, found {given}"
+                    )
             uuids[modality][index] = identity
     return uuids
 
