@@ -93,7 +93,7 @@ def prompt(salt: str, image: Image.Image, question: str, *, with_uuids: bool) ->
     )
     built: dict[str, Any] = {"prompt": text, "multi_modal_data": mm_data, "cache_salt": salt}
     if with_uuids:
-        built["multi_modal_uuids"] = multi_modal_uuids(mm_data)
+        built["multi_modal_uuids"] = multi_modal_uuids(mm_data, cache_salt=salt)
     return built
 
 

@@ -78,7 +78,7 @@ def main() -> None:
             prompt = {
                 "prompt": PROMPT,
                 "multi_modal_data": mm_data,
-                "multi_modal_uuids": multi_modal_uuids(mm_data),
+                "multi_modal_uuids": multi_modal_uuids(mm_data, cache_salt=salt),
                 "cache_salt": salt,
             }
             outputs += llm.generate(prompt, params, use_tqdm=False)

@@ -21,9 +21,10 @@ patched:
   to blocks whose rows the worker holds.
 
 Multimodal items enter the keys through ``mm_features[i].identifier``: pass
-``multi_modal_uuids=omnicache.integrations.vllm.multi_modal_uuids(mm_data)``
-in the prompt so that these are omnicache's content digests (computed in the
-caller's process, from the items themselves), or set ``OMNICACHE_MM_UUIDS=1``
+``multi_modal_uuids=omnicache.integrations.vllm.multi_modal_uuids(mm_data,
+cache_salt=salt)`` in the prompt so that these are the items' identities
+scoped to the tenant (computed in the caller's process, from the items
+themselves, `omnicache.identity`), or set ``OMNICACHE_MM_UUIDS=1``
 to have vLLM's front end fill them in (`omnicache.integrations.vllm.frontend`);
 otherwise they are vLLM's own content hashes, which the hasher takes as
 digests too.
