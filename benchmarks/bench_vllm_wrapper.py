@@ -135,7 +135,7 @@ class Lane:
         if variant not in ("vLLM", "omnicache keys"):
             self.manager = OmniKVCacheManager(self.manager)
             if variant == "... + table and plans":
-                self.mirror = StoreMirror(self.manager)
+                self.mirror = self.manager.attach_mirror()
         self.prefill_ns = 0
         self.decode_ns = 0
         self.num_hit_tokens = 0

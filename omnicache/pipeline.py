@@ -14,7 +14,7 @@ omnicache's scheduler, worker and connector:
    turned into the talker's prompt embeddings by `TalkerRecipe`;
 3. the talker (an engine with ``enable_prompt_embeds=True``) serves them:
    omnicache keys prompt embeddings per block of rows
-   (`omnicache.integrations.vllm.keys`), so talker prompts that share a
+   (`omnicache.integrations.vllm.block_hasher`), so talker prompts that share a
    prefix of thinker rows share blocks, and hit, in the talker as well.
 
 The hand-off (`TalkerRecipe.prompt_embeds`), after Qwen2.5-Omni's talker (a

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omnicache.block_hash import BlockHash
+from omnicache.integrations.vllm.block_tables import WorkerTable
 from omnicache.integrations.vllm.live_store import LiveStore, ScoredPrompt
-from omnicache.integrations.vllm.mirror import WorkerTable
 from omnicache.integrations.vllm.plan import (
     LoadOrder,
     PlannedRequest,

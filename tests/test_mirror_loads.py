@@ -48,11 +48,10 @@ class Scheduler:
     """The manager wrapped and mirrored, as `OmniScheduler` sets them up."""
 
     def __init__(self, reader: TierReader | None = None) -> None:
-        from omnicache.integrations.vllm.mirror import StoreMirror
 
         manager = integration.kv_cache_manager(16)
         self.wrapper = OmniKVCacheManager(manager)
-        self.mirror = StoreMirror(self.wrapper, reader)
+        self.mirror = self.wrapper.attach_mirror(reader)
         self.hasher = integration.RequestBlockHasher(BS, namespace=integration.NAMESPACE)
 
     def request(self, request_id: str) -> Any:

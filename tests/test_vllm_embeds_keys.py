@@ -6,7 +6,7 @@ own block hasher (sha256) and one whose requests carry `RequestBlockHasher`:
 the hits (tokens) and the block tables must be equal, and equal to the
 numbers written down here. The keys themselves are checked against
 `BlockHasher` over the annotations the documentation of
-``omnicache.integrations.vllm.keys`` spells out. Runs on vLLM 0.33
+``omnicache.integrations.vllm.block_hasher`` spells out. Runs on vLLM 0.33
 (``.venv``) and 0.32 (the live engine's environment), but for lookahead block
 hashes, which only 0.33 has.
 """
@@ -37,7 +37,7 @@ from hashing import DEFAULT_ALGORITHM, hash_array
 from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
 from omnicache.block_hash import BlockHasher
 from omnicache.integrations.vllm import RequestBlockHasher
-from omnicache.integrations.vllm.keys import EMBEDS_SCHEME, prompt_embeds_digest
+from omnicache.integrations.vllm.block_hasher import EMBEDS_SCHEME, prompt_embeds_digest
 
 if VLLM_MISSING is None:
     import vllm

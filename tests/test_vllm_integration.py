@@ -40,7 +40,7 @@ from omnicache.integrations.vllm import (
     make_request,
     multi_modal_uuids,
 )
-from omnicache.integrations.vllm.keys import prompt_embeds_digest
+from omnicache.integrations.vllm.block_hasher import prompt_embeds_digest
 from omnicache.integrations.vllm.plan import MAX_DEFERRED_STEPS, StepPlan
 from omnicache.store import StaleBlockError
 

@@ -43,7 +43,6 @@ from vllm_managers import new_kv_cache_manager
 
 from omnicache.integrations.vllm import OmniKVCacheManager, RequestBlockHasher, make_request
 from omnicache.integrations.vllm.live_store import LiveStore, ScoredPrompt, follower_store
-from omnicache.integrations.vllm.mirror import StoreMirror
 from omnicache.integrations.vllm.staged_steps import MAX_STAGED_BYTES
 from omnicache.store import HIDDEN_STATES, TensorStore
 
@@ -140,7 +139,7 @@ class Sim:
         self.num_blocks = config.num_blocks
         manager = new_kv_cache_manager(self.num_blocks, BLOCK_SIZE, max_model_len=MAX_LEN)
         self.wrapper = OmniKVCacheManager(manager)
-        self.mirror = StoreMirror(self.wrapper)
+        self.mirror = self.wrapper.attach_mirror()
         self.hasher = RequestBlockHasher(BLOCK_SIZE, namespace=NAMESPACE)
         store = TensorStore(
             self.num_blocks, BLOCK_SIZE, hidden_size=HIDDEN, hidden_dtype=torch.float32

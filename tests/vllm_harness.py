@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from omnicache.integrations.vllm import OmniKVCacheManager
-from omnicache.integrations.vllm.mirror import StoreMirror
 from omnicache.store import TensorStore
 
 Rows = Callable[[Any], torch.Tensor]
@@ -54,7 +53,7 @@ class EngineHarness:
         self.manager = manager
         self.rows = rows
         self.wrapper = OmniKVCacheManager(manager, kv_cache_group_id=kv_cache_group_id)
-        self.mirror = StoreMirror(self.wrapper)
+        self.mirror = self.wrapper.attach_mirror()
         block_size = self.wrapper.group.block_size
         self.store = TensorStore(
             manager.block_pool.num_gpu_blocks,

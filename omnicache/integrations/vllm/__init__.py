@@ -25,6 +25,12 @@ Not imported here (they subclass vLLM's classes, so importing them imports
 vLLM): ``scheduler``, ``connector``, ``worker``.
 """
 
+from omnicache.integrations.vllm.block_hasher import (
+    RequestBlockHasher,
+    adapter_id,
+    install_block_hasher,
+    make_request,
+)
 from omnicache.integrations.vllm.common import INSTALL_HINT
 from omnicache.integrations.vllm.identifiers import (
     UUID_NAMESPACE,
@@ -32,13 +38,7 @@ from omnicache.integrations.vllm.identifiers import (
     make_mm_features,
     multi_modal_uuids,
 )
-from omnicache.integrations.vllm.keys import (
-    RequestBlockHasher,
-    adapter_id,
-    install_block_hasher,
-    make_request,
-)
-from omnicache.integrations.vllm.manager import OmniKVCacheManager, OmniStats
+from omnicache.integrations.vllm.kv_cache_manager import OmniKVCacheManager, OmniStats
 
 __all__ = [
     "INSTALL_HINT",

@@ -3,13 +3,12 @@
 Everything here runs in the engine core's process, inside vLLM's scheduler,
 and knows the worker only by the plans it sends it (`plan.StepPlan`):
 
-- `WorkerTable` is what the worker holds, kept without its rows: per block
-  of the KV cache, the key its rows are stamped with (or none) and how many
-  of its rows arrived in order, by the store's own fill and stamp rules
-  (`omnicache.store.fill`).
-- `StoreMirror` writes that table as vLLM allocates slots (the KV cache
-  manager, `manager.OmniKVCacheManager`, tells it each allocation and
-  reuse, and caps hits to the table), and turns each step into its
+- `StoreMirror` writes the worker's table (`block_tables.WorkerTable`: per
+  block, the key the worker's rows are stamped with and how many arrived in
+  order) as vLLM allocates slots: the KV cache manager
+  (`kv_cache_manager.OmniKVCacheManager`) tells it each allocation, with the
+  request's block table and hit, and each reuse, and caps hits to the
+  table; the mirror calls nothing back. It turns each step into its
   `StepPlan`; it is the connector's scheduler side (`plan.SchedulerSide`),
   and with a tier it looks blocks up there.
 
@@ -56,8 +55,7 @@ from types import MappingProxyType
 from typing import Any
 
 from omnicache.block_hash import BlockHash
-from omnicache.checks import check_int
-from omnicache.integrations.vllm.manager import OmniKVCacheManager, RequestState
+from omnicache.integrations.vllm.block_tables import RequestState, WorkerTable
 from omnicache.integrations.vllm.plan import (
     EXTERNAL_TOKENS_PARAM,
     MAX_DEFERRED_STEPS,
@@ -68,116 +66,35 @@ from omnicache.integrations.vllm.plan import (
     scheduled,
 )
 from omnicache.integrations.vllm.tier import TierReader
-from omnicache.store.fill import fill_after
 
-__all__ = ["StoreMirror", "WorkerTable"]
+__all__ = ["StoreMirror"]
 
 # A step without new requests: none asks for hidden states (`plan.prompt_requests`).
 _NONE: tuple[Mapping[str, int], frozenset[str]] = (MappingProxyType({}), frozenset())
-
-
-# -- what the worker holds ---------------------------------------------------------------
-
-
-class WorkerTable:
-    """Per block, the key the worker's rows are stamped with, and how many arrived in order.
-
-    The worker's `TensorStore` without its rows: written by the store's own
-    rules (`omnicache.store.fill`), so that a block is stamped here exactly
-    when it is stamped there. Plain numpy: nothing here holds a tensor.
-
-    Args:
-        num_blocks: blocks of the KV cache (vLLM's null block included).
-        block_size: tokens per block of the group the rows follow.
-    """
-
-    __slots__ = ("block_size", "filled", "num_blocks", "stamps")
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.num_blocks = check_int("num_blocks", num_blocks, minimum=1)
-        self.block_size = check_int("block_size", block_size, minimum=1)
-        self.stamps: list[BlockHash | None] = [None] * num_blocks
-        self.filled: list[int] = [0] * num_blocks
-
-    def write_tokens(
-        self, block_ids: Sequence[int], start: int, stop: int, block_keys: Mapping[int, BlockHash]
-    ) -> None:
-        """Rows of a request's tokens ``start .. stop - 1``, in order, in ``block_ids`` (the
-        blocks those tokens lie in, in order), with the keys of the blocks they may complete.
-
-        Each block touched is stamped with its key if it has one and its rows
-        are then complete, and loses its stamp otherwise (the store's rule,
-        `write_row`'s for each block's run).
-        """
-        bs = self.block_size
-        base = start // bs * bs
-        for block_id in block_ids:
-            offset = max(start - base, 0)
-            end = min(stop - base, bs)
-            self.write_row(block_id, offset, block_keys.get(block_id), end - offset)
-            base += bs
-
-    def write_row(self, block_id: int, offset: int, key: BlockHash | None, length: int = 1) -> None:
-        """``length`` rows written at ``offset`` of one block (a decode step's one row), with
-        the block's key or None (`write`'s rule)."""
-        self.filled[block_id] = count = fill_after(self.filled[block_id], offset, length)
-        self.stamps[block_id] = key if key is not None and count == self.block_size else None
-
-    def stamp_blocks(self, block_ids: Sequence[int], block_keys: Sequence[BlockHash]) -> None:
-        """Whole blocks written at once (loaded from a tier), each stamped with its key."""
-        for block_id, key in zip(block_ids, block_keys, strict=True):
-            self.filled[block_id] = self.block_size
-            self.stamps[block_id] = key
-
-    def unstamp(self, block_ids: Iterable[int]) -> None:
-        """The blocks' rows were written without keys: they keep their rows, not their stamps."""
-        for block_id in block_ids:
-            self.stamps[block_id] = None
-
-    def clear(self, block_ids: Iterable[int]) -> None:
-        """The blocks hold nothing any more."""
-        for block_id in block_ids:
-            self.stamps[block_id] = None
-            self.filled[block_id] = 0
-
-    def clear_all(self) -> None:
-        self.stamps = [None] * self.num_blocks
-        self.filled = [0] * self.num_blocks
-
-    def num_valid(self, block_ids: Sequence[int], block_keys: Sequence[BlockHash]) -> int:
-        """How many of the leading ``block_ids`` are stamped with their ``block_keys``."""
-        stamps = self.stamps
-        for index, (block_id, key) in enumerate(zip(block_ids, block_keys, strict=False)):
-            if stamps[block_id] != key:
-                return index
-        return min(len(block_ids), len(block_keys))
 
 
 # -- the mirror and the plan ----------------------------------------------------------------
 
 
 class StoreMirror:
-    """Mirrors the worker's stamps in ``manager``'s store and plans each step.
+    """Mirrors the worker's stamps and plans each step.
 
-    Keeps the `WorkerTable` (from then on the manager caps hits to it) and
-    hears the manager's allocations and reuses. It is the connector's
-    scheduler side (`plan.SchedulerSide`): the step's plan, and with a tier
-    (``reader``) the tier's hooks.
+    Keeps the `WorkerTable`, which the KV cache manager caps hits to, and
+    hears the manager's allocations and reuses (the manager makes it:
+    `kv_cache_manager.OmniKVCacheManager.attach_mirror`). It is the
+    connector's scheduler side (`plan.SchedulerSide`): the step's plan, and
+    with a tier (``reader``) the tier's hooks.
 
     Args:
-        manager: the wrapped manager the scheduler stands on.
+        num_blocks: blocks of the KV cache (vLLM's null block included).
+        block_size: tokens per block of the group the rows follow.
         reader: the tier's reader (None: no tier, no external tokens).
     """
 
-    def __init__(self, manager: OmniKVCacheManager, reader: TierReader | None = None) -> None:
-        if not isinstance(manager, OmniKVCacheManager):
-            raise TypeError(
-                f"manager: expected an OmniKVCacheManager, found {type(manager).__name__}"
-            )
-        self._manager = manager
+    def __init__(self, num_blocks: int, block_size: int, reader: TierReader | None = None) -> None:
         self._reader = reader
-        self._block_size = manager.group.block_size
-        self._table = WorkerTable(manager.block_pool.num_gpu_blocks, self._block_size)
+        self._table = WorkerTable(num_blocks, block_size)
+        self._block_size = block_size
         # One-token allocations (a decode token each: most of a step's), as the
         # manager queues them: (request id, its state, the token's position),
         # recorded as `on_allocated` would, in vLLM's order, before anything
@@ -203,7 +120,6 @@ class StoreMirror:
         self._num_plans = 0
         self._written_at = [-MAX_DEFERRED_STEPS] * self._table.num_blocks
         self._clears_recent = False
-        manager.follow(self)
 
     @property
     def table(self) -> WorkerTable:
@@ -323,9 +239,16 @@ class StoreMirror:
                     continue
                 # A decode token, the common case: its block, and one row of the table.
                 block_id, key = found
-                table.write_row(block_id, start % size, key)
+                offset = start % size
+                table.write_row(block_id, offset, key)
                 written_at[block_id] = number
-                allocated[request_id] = PlannedRequest(request_id, start, 1, (block_id,))
+                allocated[request_id] = (
+                    PlannedRequest(request_id, start, 1, (block_id,))
+                    if offset
+                    else PlannedRequest(
+                        request_id, start, 1, (block_id,), state.hit_block_ids, state.hit_block_keys
+                    )
+                )
                 if key is not None:
                     allocated_keys[request_id] = {block_id: key}
         finally:
@@ -347,7 +270,15 @@ class StoreMirror:
             # rows: start -1 never matches, so both are undone at planning.
             block_ids = prior.block_ids + block_ids
             start = -1
-        self._allocated[request_id] = PlannedRequest(request_id, start, num_new, block_ids)
+        # NOTE: the request's hit rides on an allocation that starts a block,
+        # the only kind the plan gives one (`plan`).
+        self._allocated[request_id] = (
+            PlannedRequest(request_id, start, num_new, block_ids)
+            if start % size
+            else PlannedRequest(
+                request_id, start, num_new, block_ids, state.hit_block_ids, state.hit_block_keys
+            )
+        )
         if block_keys:
             self._allocated_keys[request_id] = block_keys
 
@@ -430,7 +361,7 @@ class StoreMirror:
                 if num_new != 1 or len(planned.block_ids) != 1:
                     decode = False
                 continue
-            hit_ids, hit_keys = self._manager.hit_blocks(req_id)
+            hit_ids, hit_keys = planned.hit_block_ids, planned.hit_block_keys
             if external is not None:
                 hit_ids, hit_keys = hit_ids + external.block_ids, hit_keys + external.block_keys
             # NOTE: vLLM takes as computed a prefix of the hit: all of it, or,

@@ -45,10 +45,10 @@ from typing import Any
 
 from hashing import ALGORITHMS, Algorithm
 from omnicache.block_hash import DEFAULT_BLOCK_ALGORITHM
+from omnicache.integrations.vllm.block_hasher import RequestBlockHasher, scheduler_block_hasher
 from omnicache.integrations.vllm.common import vllm_series
 from omnicache.integrations.vllm.connector import OmniStoreConnector
-from omnicache.integrations.vllm.keys import RequestBlockHasher, scheduler_block_hasher
-from omnicache.integrations.vllm.manager import OmniKVCacheManager
+from omnicache.integrations.vllm.kv_cache_manager import OmniKVCacheManager
 from omnicache.integrations.vllm.mirror import StoreMirror
 from omnicache.integrations.vllm.tier import tier_reader
 
@@ -118,7 +118,7 @@ class OmniScheduler(Scheduler):  # type: ignore[misc]
             reader = None
             if self.connector.tier is not None:
                 reader = tier_reader(self.connector.tier, self.vllm_config, self.kv_cache_config)
-            self.omni_mirror = StoreMirror(self.omni_manager, reader)
+            self.omni_mirror = self.omni_manager.attach_mirror(reader)
             self.connector.bind_scheduler_side(self.omni_mirror)
 
     def add_request(self, request: Any) -> None:

@@ -107,7 +107,7 @@ class RequestBlockHasher:
       False), one annotation per block of rows, whose digest covers those
       rows only, so shared embedding prefixes share blocks; where the rows lie
       over a multimodal item, one annotation names both (see
-      `omnicache.integrations.vllm.keys`);
+      `omnicache.integrations.vllm.block_hasher`);
     - the root: ``namespace`` (the model), ``request.cache_salt`` and the
       request's LoRA (`adapter_id`), so tenants and adapters never share a
       chain.

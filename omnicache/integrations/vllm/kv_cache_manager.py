@@ -34,68 +34,27 @@ KV blocks) is dropped from the hit the same way.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from omnicache.block_hash import BlockHash
 from omnicache.checks import check_int, type_name
+from omnicache.integrations.vllm.block_tables import (
+    RequestState,
+    StoreGroup,
+    WorkerTable,
+    group_keys,
+)
 from omnicache.integrations.vllm.common import require_vllm
+from omnicache.integrations.vllm.mirror import StoreMirror
+from omnicache.integrations.vllm.tier import TierReader
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.request import Request
 
-    # NOTE: the mirror imports this module; this one names it in annotations only.
-    from omnicache.integrations.vllm.mirror import StoreMirror, WorkerTable
-
-__all__ = [
-    "NULL_BLOCK_ID",
-    "OmniKVCacheManager",
-    "OmniStats",
-    "RequestState",
-    "ReuseHook",
-    "StoreGroup",
-    "cap_hit",
-    "group_keys",
-    "lookup",
-    "store_group",
-]
-
-NULL_BLOCK_ID = 0
-"""vLLM's null block: never handed out, it stands for blocks a group skips."""
-
-
-# -- the group the rows follow ----------------------------------------------------------
-#
-# The worker keeps one row per token, so its rows follow ONE group's block ids:
-# a full-attention group, the only kind whose blocks hold every token of a
-# prefix; other kinds sit beside it, and kinds vLLM does not prefix-cache are
-# refused with the reason (docs/architecture.md, "Hybrid models and finer hash
-# blocks"). With hash blocks finer than the group's, a group block's key is the
-# hash at its last hash boundary:
-#
-#     hash blocks (16)  | A | B | C | D |      request.block_hashes = [A, B, C, D]
-#     group blocks (32) |   B   |   D   |      group_keys(...)      = [B, D]
-
-
-class StoreGroup(NamedTuple):
-    """The KV cache group whose block ids index the store."""
-
-    group_id: int
-    # Tokens per block of that group (the store's block size).
-    block_size: int
-    # Hash blocks per group block (``block_size // hash_block_size``).
-    scale: int
-
-
-def group_keys(block_hashes: Sequence[BlockHash], scale: int) -> Sequence[BlockHash]:
-    """The keys of a request's full group blocks, from its keys per hash block.
-
-    With one hash block per group block, ``block_hashes`` itself (not a copy:
-    this runs on every allocation).
-    """
-    return block_hashes[scale - 1 :: scale] if scale > 1 else block_hashes
+__all__ = ["OmniKVCacheManager", "OmniStats"]
 
 
 def _supported_managers() -> dict[type[Any], str]:
@@ -231,84 +190,6 @@ def store_group(manager: Any, kv_cache_group_id: int | None) -> StoreGroup:
     return StoreGroup(group_id, block_size, block_size // hash_block_size)
 
 
-# -- what the wrapper records of a request ------------------------------------------------
-
-
-@dataclass(slots=True, eq=False)
-class RequestState:
-    """What the wrapper records of a request, from its allocation to its free."""
-
-    request: Any
-    # The request's block table in the rows' group (its own list, updated in place).
-    blocks: list[Any]
-    # Hash blocks per block of that group.
-    scale: int
-    # The hit it adopted, in whole blocks of that group, and their keys.
-    hit_block_ids: tuple[int, ...] = ()
-    hit_block_keys: tuple[BlockHash, ...] = ()
-
-    def block_ids(
-        self,
-        start: int,
-        num_new: int,
-        block_size: int,
-        block_keys: dict[int, BlockHash],
-        where: str,
-    ) -> list[int]:
-        """The blocks of the request's tokens ``[start, start + num_new)``, ``num_new > 0``,
-        in order.
-
-        Adds to ``block_keys`` the key of each full block among them. (A
-        decode step's one token: `token_block`.) Python ints throughout: a
-        new request's allocation comes here once, cold, where numpy's
-        per-call cost took about 85 us of 64 tokens.
-        """
-        blocks = self.blocks
-        stop = start + num_new
-        if stop > len(blocks) * block_size:
-            raise ValueError(
-                f"{where}: expected tokens below {len(blocks) * block_size} ({len(blocks)} "
-                f"blocks allocated), found tokens {start}..{stop - 1}"
-            )
-        first = start // block_size
-        last = (stop - 1) // block_size
-        block_ids = [block.block_id for block in blocks[first : last + 1]]
-        if NULL_BLOCK_ID in block_ids:
-            raise RuntimeError(
-                f"{where}: tokens {start}..{stop - 1} map to vLLM's null block "
-                f"(block table {block_ids})"
-            )
-        hashes = self.keys()
-        for block in range(first, min(last + 1, len(hashes))):
-            block_keys[block_ids[block - first]] = hashes[block]
-        return block_ids
-
-    def token_block(self, position: int, block_size: int) -> tuple[int, BlockHash | None] | None:
-        """The block of the request's token at ``position``, and its key if it is a full block.
-
-        None when the token has no block (out of range, or in vLLM's null
-        block: `slots` says which). A decode step's one token, in a few
-        statements: each request of every step comes here, where numpy's
-        per-call cost would be most of the work.
-        """
-        index = position // block_size
-        blocks = self.blocks
-        if index >= len(blocks):
-            return None
-        block_id: int = blocks[index].block_id
-        if block_id == NULL_BLOCK_ID:
-            return None
-        # NOTE: `keys` without its two calls when each hash block is a group block.
-        hashes = self.request.block_hashes
-        if self.scale > 1:
-            hashes = group_keys(hashes, self.scale)
-        return block_id, hashes[index] if index < len(hashes) else None
-
-    def keys(self) -> Sequence[BlockHash]:
-        """The keys of the request's full blocks in the rows' group."""
-        return group_keys(self.request.block_hashes, self.scale)
-
-
 class ReuseHook:
     """Stands in for ``BlockPool.metrics_collector`` and forwards to the one it replaced.
 
@@ -440,7 +321,7 @@ class OmniKVCacheManager:
 
     The scheduler drives it as it drives the manager (``get_computed_blocks``,
     ``allocate_slots``, ``free``; every other attribute is the manager's).
-    Until a `StoreMirror` follows it, it caps nothing: it only records each
+    Until it has a mirror (`attach_mirror`), it caps nothing: it only records each
     request's blocks and sees every reuse.
 
     Args:
@@ -644,15 +525,22 @@ class OmniKVCacheManager:
         state = self._state(request_id)
         return state.hit_block_ids, state.hit_block_keys
 
-    def follow(self, mirror: StoreMirror) -> None:
-        """Tells ``mirror`` every allocation and reuse from now on, and caps hits to its table.
+    def attach_mirror(self, reader: TierReader | None = None) -> StoreMirror:
+        """The mirror of what the worker holds, told every allocation and reuse from now on.
 
-        A one-token allocation goes into ``mirror.queued``, every other to
-        ``mirror.on_allocated``. The mirror calls it once, when it is made (`mirror.StoreMirror`).
+        Hits are capped to its table from then on. A one-token allocation goes
+        into ``mirror.queued``, every other to ``mirror.on_allocated``; a reuse
+        to ``mirror.on_cleared``. Once per manager.
+
+        Args:
+            reader: the tier's reader (None: no tier).
         """
         if self._mirror is not None:
             raise ValueError("manager: expected no mirror yet, found one following it")
-        self._mirror = mirror
+        self._mirror = StoreMirror(
+            self._manager.block_pool.num_gpu_blocks, self._group.block_size, reader
+        )
+        return self._mirror
 
     def _state(self, request_id: str) -> RequestState:
         state = self._requests.get(request_id)
