@@ -110,8 +110,8 @@ def engine(mode: str, model: Path, dtype: str) -> Any:
     return LLM(**options)
 
 
-class TimedScorer:
-    """The worker's scorer, adding each call's wall time to a list."""
+class TimedHitLogprobs:
+    """The worker's `HitLogprobs`, adding each call's wall time to a list."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -141,12 +141,12 @@ def run_pass(mode: str, model: Path, args: argparse.Namespace) -> dict[str, Any]
         detokenize=False,
     )
     apply: Timed | None = None
-    score: TimedScorer | None = None
+    score: TimedHitLogprobs | None = None
     if mode == "omnicache":
         worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
         apply = Timed(worker.omni_store, "apply")
-        score = TimedScorer(worker.omni_store.scorer)
-        worker.omni_store.scorer = score
+        score = TimedHitLogprobs(worker.omni_store.hits.logprobs)
+        worker.omni_store.hits.logprobs = score
     llm.generate(requests(items, "warm-up"), params, use_tqdm=False)
     for timed in (apply, score):
         if timed is not None:

@@ -289,7 +289,7 @@ def check_live_store(
             live.stats.num_rows_written == prompt + bs, f"{label}: staged rows written first"
         )
     live.apply(hit, ["b"], new_row.to(dev), torch.tensor([9 * bs]).to(dev))
-    (got,) = live.take({"b": "key-b"}).values()
+    (got,) = live.results.take({"b": "key-b"}).values()
     assert isinstance(got, torch.Tensor)
     chk.equal(got, torch.cat([rows, new_row]), f"{label}: hit rows (stored, staged, new)")
     # NOTE: where the staged rows were written before the hit's forward pass,

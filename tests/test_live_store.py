@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from omnicache.block_hash import BlockHash
 from omnicache.integrations.vllm.block_tables import WorkerTable
-from omnicache.integrations.vllm.live_store import LiveStore, ScoredPrompt
+from omnicache.integrations.vllm.hits import ScoredHit
+from omnicache.integrations.vllm.live_store import LiveStore
 from omnicache.integrations.vllm.plan import (
     LoadOrder,
     PlannedRequest,
@@ -160,7 +161,7 @@ def test_a_hit_reads_the_stored_rows_then_the_steps_rows(copy_steps: bool | None
     # b's hit is in blocks a's staged rows fill: they are written first, then the step's.
     assert [live.store.stamp_of(HIDDEN_STATES, block) for block in (1, 2, 3)] == [K[1], K[2], None]
     assert live.stats.num_rows_written == 12
-    found = live.take({"a": "key-a", "b": "key-b", "c": "key-c"})
+    found = live.results.take({"a": "key-a", "b": "key-b", "c": "key-c"})
     assert sorted(found) == ["a", "b"]
     assert torch.equal(found["a"], rows(100, 9))  # type: ignore[arg-type]
     assert torch.equal(found["b"], torch.cat([rows(100, 8), rows(500, 2)]))  # type: ignore[arg-type]
@@ -171,7 +172,7 @@ def test_a_hit_reads_the_stored_rows_then_the_steps_rows(copy_steps: bool | None
         12,
         0,
     )
-    assert live.take({"a": "key-a", "b": "key-b"}) == {}
+    assert live.results.take({"a": "key-a", "b": "key-b"}) == {}
 
 
 def test_requests_sharing_hit_blocks_get_each_their_own_blocks_then_their_rows(
@@ -197,7 +198,7 @@ def test_requests_sharing_hit_blocks_get_each_their_own_blocks_then_their_rows(
         result_keys={"b": "key-b", "c": "key-c"},
     )
     run_step(live, second, ["c", "b"], rows(500, 2), slots_of(second, ["c", "b"]))
-    found = live.take({"b": "key-b", "c": "key-c"})
+    found = live.results.take({"b": "key-b", "c": "key-c"})
     assert torch.equal(found["b"], torch.cat([rows(100, 8), rows(501, 1)]))  # type: ignore[arg-type]
     assert torch.equal(  # type: ignore[arg-type]
         found["c"], torch.cat([rows(100, 4), rows(108, 4), rows(500, 1)])
@@ -233,7 +234,7 @@ def test_a_prompt_hit_no_other_request_needs_is_read_into_its_result_the_shared_
     )
     order = ["f", "d", "c", "b", "e"]
     run_step(live, second, order, rows(500, 6), slots_of(second, order))
-    found = live.take({"b": "key-b", "c": "key-c", "d": "key-d", "f": "key-f"})
+    found = live.results.take({"b": "key-b", "c": "key-c", "d": "key-d", "f": "key-f"})
     assert found["f"] is None
     assert torch.equal(found["d"], torch.cat([rows(108, 4), rows(501, 1)]))  # type: ignore[arg-type]
     assert torch.equal(found["c"], torch.cat([rows(108, 8), rows(502, 2)]))  # type: ignore[arg-type]
@@ -264,7 +265,7 @@ def test_a_hit_on_a_cleared_block_is_counted_and_never_served(copy_steps: bool |
         cleared_block_ids=(2,),
     )
     run_step(live, hit, ["b"], rows(50, 1), slots_of(hit, ["b"]))
-    assert live.take({"b": "key-b"}) == {"b": None}
+    assert live.results.take({"b": "key-b"}) == {"b": None}
     stats = live.stats
     assert (stats.num_stale_hit_blocks, stats.num_prompt_failures, stats.num_cleared_blocks) == (
         1,
@@ -312,7 +313,7 @@ def test_prompt_across_chunks_results_capped_and_unfinished_dropped(
         rows(0, 2),
     )
     live.apply(StepPlan(False, finished_req_ids=("c",)))
-    assert list(live.take({"a": "a", "b": "b", "c": "c"})) == ["b"]
+    assert list(live.results.take({"a": "a", "b": "b", "c": "c"})) == ["b"]
     stats = live.stats
     assert (stats.num_results_dropped, stats.num_incomplete_dropped, stats.num_rows_written) == (
         1,
@@ -345,16 +346,16 @@ def test_a_result_is_taken_with_its_key_only_and_within_the_size_asked(
     )
     run_step(live, plan, ["a"], rows(0, 5))
     # A forged key, or none of the right length, finds nothing and takes nothing.
-    assert live.take({"a": "k-b"}) == {}
-    assert live.take({"a": ""}) == {}
+    assert live.results.take({"a": "k-b"}) == {}
+    assert live.results.take({"a": ""}) == {}
     # Over the size asked: its size, and it stays (5 rows x 3 float32 values).
-    assert live.take({"a": "k-a"}, max_bytes=59) == {"a": 60}
+    assert live.results.take({"a": "k-a"}, max_bytes=59) == {"a": 60}
     assert live.stats.num_pending_results == 1
-    found = live.take({"a": "k-a"}, max_bytes=60)
+    found = live.results.take({"a": "k-a"}, max_bytes=60)
     assert torch.equal(found["a"], rows(0, 5))  # type: ignore[arg-type]
-    assert live.take({"a": "k-a"}) == {}
+    assert live.results.take({"a": "k-a"}) == {}
     with pytest.raises(TypeError, match=r"requests\['a'\]: expected str, found int"):
-        live.take({"a": 1})  # type: ignore[dict-item]
+        live.results.take({"a": 1})  # type: ignore[dict-item]
 
 
 def test_every_position_is_gathered_until_the_request_finishes_or_its_count_is_taken(
@@ -375,17 +376,17 @@ def test_every_position_is_gathered_until_the_request_finishes_or_its_count_is_t
             live.apply(StepPlan(False, (PlannedRequest(req_id, start, count),)), [req_id],
                        rows(start, count))  # fmt: skip
     # Finished for its caller before the worker hears of it: its count takes it.
-    assert live.take({"a": "k-a"}) == {}
-    assert live.take({"a": "k-b"}, num_positions={"a": 8}) == {}
-    found = live.take({"a": "k-a"}, num_positions={"a": 8})
+    assert live.results.take({"a": "k-a"}) == {}
+    assert live.results.take({"a": "k-b"}, num_positions={"a": 8}) == {}
+    found = live.results.take({"a": "k-a"}, num_positions={"a": 8})
     assert torch.equal(found["a"], rows(0, 8))  # type: ignore[arg-type]
-    assert live.take({"a": "k-a"}, num_positions={"a": 8}) == {}
+    assert live.results.take({"a": "k-a"}, num_positions={"a": 8}) == {}
     # Finished in the plan: complete; a count past its rows serves nothing.
     live.apply(StepPlan(False, finished_req_ids=("a", "b")))
     assert live.stats.num_incomplete_dropped == 0
-    assert live.take({"b": "k-b"}, num_positions={"b": 9}) == {"b": None}
+    assert live.results.take({"b": "k-b"}, num_positions={"b": 9}) == {"b": None}
     with pytest.raises(ValueError, match=r"num_positions\['b'\]: expected int >= 0, found -1"):
-        live.take({"b": "k-b"}, num_positions={"b": -1})
+        live.results.take({"b": "k-b"}, num_positions={"b": -1})
 
 
 class Scores:
@@ -399,7 +400,7 @@ class Scores:
     def wants(self, req_id: str) -> bool:
         return req_id in self.wanted
 
-    def score(self, rows: torch.Tensor, block_size: int, prompts: Sequence[ScoredPrompt]) -> None:
+    def score(self, rows: torch.Tensor, block_size: int, prompts: Sequence[ScoredHit]) -> None:
         self.num_rows.append(len(rows))
         for prompt in prompts:
             mine = None
@@ -416,7 +417,7 @@ def test_the_scorer_gets_each_verified_hit_s_rows_once_and_none_for_a_stale_hit(
     live = LiveStore(
         TensorStore(8, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32),
         max_results=8,
-        scorer=scorer,
+        hit_logprobs=scorer,
         copy_steps=copy_steps,
     )
     first = StepPlan(
@@ -448,7 +449,7 @@ def test_the_scorer_gets_each_verified_hit_s_rows_once_and_none_for_a_stale_hit(
     # read: each block is read once in the step.
     assert scorer.num_rows == [2 * BS]
     assert live.store.stats.num_hit_blocks_read == 2
-    (b_rows,) = live.take({"b": "key-b"}).values()
+    (b_rows,) = live.results.take({"b": "key-b"}).values()
     assert torch.equal(b_rows, torch.cat([rows(100, 8), rows(500, 2)]))  # type: ignore[arg-type]
     stats = live.stats
     assert (stats.num_scored_requests, stats.num_scored_tokens, stats.num_score_failures) == (
@@ -488,14 +489,14 @@ def test_a_follower_keeps_the_first_ranks_stamps_without_its_rows_and_scores_its
     leader = LiveStore(
         TensorStore(8, BS, hidden_size=HIDDEN, hidden_dtype=torch.float32),
         max_results=8,
-        scorer=scorers[0],
+        hit_logprobs=scorers[0],
         share=broadcast,
         copy_steps=copy_steps,
     )
     follower = LiveStore(
         follower_store(8, BS),
         max_results=8,
-        scorer=scorers[1],
+        hit_logprobs=scorers[1],
         share=receive,
         keeps_results=False,
         copy_steps=copy_steps,
@@ -532,9 +533,9 @@ def test_a_follower_keeps_the_first_ranks_stamps_without_its_rows_and_scores_its
     assert [(req_id, num) for req_id, num, _ in scorers[1].scored] == [("b", 8)]
     assert torch.equal(scorers[1].scored[0][2], rows(100, 8))  # type: ignore[arg-type]
     assert torch.equal(scorers[0].scored[0][2], rows(100, 8))  # type: ignore[arg-type]
-    found = leader.take({"a": "key-a", "p": "key-p"})
+    found = leader.results.take({"a": "key-a", "p": "key-p"})
     assert torch.equal(found["p"], torch.cat([rows(108, 4), rows(500, 1)]))  # type: ignore[arg-type]
-    assert follower.take({"a": "key-a", "p": "key-p"}) == {}
+    assert follower.results.take({"a": "key-a", "p": "key-p"}) == {}
     assert follower.stats.num_hit_blocks == leader.stats.num_hit_blocks == 3
     assert follower.stats.num_stale_hit_blocks == 0
     # A follower's store needs the first rank's rows: without a share it is refused.
@@ -592,7 +593,7 @@ def test_decode_steps_write_their_rows_before_anything_reads_the_store(
     )
     assert run_step(live, hit, ["c"], rows(900, 1), slots_of(hit, ["c"])) == {2: K[2], 3: K[3]}
     a_rows = torch.cat([rows(10 * step + 1, 1) for step in range(BS)])
-    (c_rows,) = live.take({"c": "key-c"}).values()
+    (c_rows,) = live.results.take({"c": "key-c"}).values()
     assert torch.equal(c_rows, torch.cat([a_rows, rows(900, 1)]))  # type: ignore[arg-type]
     assert live.stats.num_stale_hit_blocks == 0
     assert live.stats.num_rows_written == 2 * BS + 1
@@ -1028,7 +1029,7 @@ def test_start_forward_writes_before_the_forward_pass_the_staged_rows_apply_woul
     first.start_forward(hit)
     assert first.stats.num_rows_written == 2 * BS
     run_step(first, hit, ["c"], rows(90, 1), slots_of(hit, ["c"]))
-    (got,) = first.take({"c": "key-c"}).values()
+    (got,) = first.results.take({"c": "key-c"}).values()
     want = torch.cat([rows(0, BS), rows(50 + BS, BS), rows(90, 1)])
     assert torch.equal(got, want)  # type: ignore[arg-type]
     assert first.stats.num_stale_hit_blocks == 0
@@ -1104,7 +1105,7 @@ def test_prefill_chunks_and_decode_tokens_wait_together_until_a_hit_reads_them(
     writes = live.store.stats.num_writes
     assert run_step(live, hit, ["c"], rows(900, 1), slots_of(hit, ["c"])) == {1: K[1], 2: K[2]}
     assert live.store.stats.num_writes == writes + 2  # the staged steps', then c's
-    (c_rows,) = live.take({"c": "key-c"}).values()
+    (c_rows,) = live.results.take({"c": "key-c"}).values()
     assert torch.equal(c_rows, torch.cat([a_rows[:8], rows(900, 1)]))  # type: ignore[arg-type]
     assert live.stats.num_stale_hit_blocks == live.stats.num_slot_mismatches == 0
     assert live.stats.num_rows_written == 10 + 2 + 1
@@ -1193,7 +1194,7 @@ def test_steps_that_gather_finish_or_hit_other_blocks_wait_alike_on_every_rank(
             assert run_step(live, plan, order, rows(10 * step, num), slots_of(plan, order)) == {}
             assert live.stats.num_rows_written == 0
     # Every result is there before the rows are written.
-    taken = leader.take({"a": "key-a", "s": "key-s", "h": "key-h"})
+    taken = leader.results.take({"a": "key-a", "s": "key-s", "h": "key-h"})
     assert torch.equal(taken["a"], rows(0, 4))  # type: ignore[arg-type]
     assert torch.equal(taken["s"], torch.cat([rows(4, 2), rows(11, 1)]))  # type: ignore[arg-type]
     assert torch.equal(taken["h"], torch.cat([rows(70, BS), rows(51, 1)]))  # type: ignore[arg-type]
@@ -1221,7 +1222,7 @@ def test_a_hit_on_a_block_its_own_step_fills_writes_the_step_at_once(
     )
     assert run_step(live, plan, ["a", "b"], rows(0, 5), slots_of(plan, ["a", "b"])) == {1: K[1]}
     assert live.stats.num_rows_written == 5 and live.stats.num_stale_hit_blocks == 0
-    (b_rows,) = live.take({"b": "key-b"}).values()
+    (b_rows,) = live.results.take({"b": "key-b"}).values()
     assert torch.equal(b_rows, rows(0, 5))  # type: ignore[arg-type]
 
 

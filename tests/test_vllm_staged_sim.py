@@ -42,7 +42,8 @@ from test_vllm_integration import VLLM_MISSING
 from vllm_managers import new_kv_cache_manager
 
 from omnicache.integrations.vllm import OmniKVCacheManager, RequestBlockHasher, make_request
-from omnicache.integrations.vllm.live_store import LiveStore, ScoredPrompt, follower_store
+from omnicache.integrations.vllm.hits import ScoredHit
+from omnicache.integrations.vllm.live_store import LiveStore, follower_store
 from omnicache.integrations.vllm.staged_steps import MAX_STAGED_BYTES
 from omnicache.store import HIDDEN_STATES, TensorStore
 
@@ -109,7 +110,7 @@ CONFIGS = [
 
 
 class Scores:
-    """A rank's scorer (`PromptScorer`): each hit's stored rows it gets are the model's."""
+    """A rank's scorer (`HitLogprobs`): each hit's stored rows it gets are the model's."""
 
     def __init__(self, sim: Sim) -> None:
         self.sim = sim
@@ -118,7 +119,7 @@ class Scores:
     def wants(self, req_id: str) -> bool:
         return req_id in self.sim.scored
 
-    def score(self, rows: torch.Tensor, block_size: int, prompts: Sequence[ScoredPrompt]) -> None:
+    def score(self, rows: torch.Tensor, block_size: int, prompts: Sequence[ScoredHit]) -> None:
         blocks = rows.view(-1, block_size, HIDDEN)
         for prompt in prompts:
             # NOTE: None: the hit's rows could not be read (a stale hit).
@@ -158,11 +159,11 @@ class Sim:
             return rows
 
         self.scores = (Scores(self), Scores(self))
-        self.first = LiveStore(store, share=send, scorer=self.scores[0], **options)
+        self.first = LiveStore(store, share=send, hit_logprobs=self.scores[0], **options)
         self.follower = LiveStore(
             follower_store(self.num_blocks, BLOCK_SIZE),
             share=lambda _: shared.pop(),
-            scorer=self.scores[1],
+            hit_logprobs=self.scores[1],
             keeps_results=False,
             **options,
         )
@@ -407,7 +408,7 @@ class Sim:
     def take_exact(self, request: Any, num_rows: int) -> None:
         """The request's result from the first rank: its model's first ``num_rows`` rows."""
         request_id = request.request_id
-        rows = self.first.take({request_id: request_id})[request_id]
+        rows = self.first.results.take({request_id: request_id})[request_id]
         assert isinstance(rows, torch.Tensor), (request_id, rows)
         assert torch.equal(rows, model_rows(request)[:num_rows]), request_id
 

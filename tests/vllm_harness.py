@@ -143,7 +143,7 @@ class EngineHarness:
         Raises:
             KeyError: the worker has no result for it (taken, or incomplete).
         """
-        found = self.live.take({request_id: request_id})[request_id]
+        found = self.live.results.take({request_id: request_id})[request_id]
         assert not isinstance(found, int)  # no size limit asked
         return found
 

@@ -45,48 +45,36 @@ Under tensor parallelism, ranks but the first keep a follower's store
 
 from __future__ import annotations
 
-import hmac
-import logging
-from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import NamedTuple, Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
 from omnicache.block_hash import BlockHash
-from omnicache.checks import check_int, check_str, type_name
+from omnicache.checks import check_int, type_name
 from omnicache.integrations.vllm.common import CONNECTOR_NAME
+from omnicache.integrations.vllm.hits import HitLogprobs, HitReader
 from omnicache.integrations.vllm.plan import (
     PlannedRequest,
     StepPlan,
     batch_requests,
     planned_slots,
 )
+from omnicache.integrations.vllm.prompt_results import PromptResults
 from omnicache.integrations.vllm.staged_steps import (
     MAX_DEFERRED_STEPS,
-    MAX_HOST_STEP_BYTES,
     MAX_STAGED_BYTES,
-    Staged,
+    StagedSteps,
     staged_slots,
     write_staged,
 )
 from omnicache.integrations.vllm.tier import WorkerTier
 from omnicache.store import HIDDEN_STATES, TensorStore
 
-__all__ = [
-    "FOLLOWER_DTYPE",
-    "LiveStore",
-    "LiveStoreStats",
-    "PromptScorer",
-    "ScoredPrompt",
-    "follower_store",
-]
+__all__ = ["FOLLOWER_DTYPE", "LiveStore", "LiveStoreStats", "follower_store"]
 
 FOLLOWER_DTYPE = torch.uint8
 """A follower's store (`follower_store`) keeps one value of this type a row."""
-
-_LOG = logging.getLogger(__name__)
 
 
 # -- the store of a step's plans ------------------------------------------------------
@@ -124,92 +112,6 @@ class LiveStoreStats:
     num_pending_results: int = 0
 
 
-@dataclass(slots=True)
-class _Prompt:
-    """The rows one request asked for, gathered chunk by chunk."""
-
-    # Its prompt's tokens; None: every position, until the request finishes.
-    num_tokens: int | None
-    # The secret that takes the result (`connector.OmniStoreConnector`'s).
-    key: str
-    # (first position, rows), in position order.
-    chunks: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-
-    def add(self, start: int, rows: torch.Tensor) -> torch.Tensor | None:
-        """Adds rows from position ``start``; returns the whole prompt once complete.
-
-        A chunk replaces every chunk from its start on: a request recomputed
-        after preemption starts over. A request of every position is never
-        complete here: it ends when it finishes (`rows`).
-        """
-        self.chunks = [chunk for chunk in self.chunks if chunk[0] < start]
-        if self.num_tokens is None:
-            self.chunks.append((start, rows))
-            return None
-        self.chunks.append((start, rows[: self.num_tokens - start]))
-        return self.rows(self.num_tokens)
-
-    def rows(self, num_rows: int | None = None) -> torch.Tensor | None:
-        """The first ``num_rows`` rows (None: all gathered); None while they have a gap."""
-        position = 0
-        for first, part in self.chunks:
-            if first != position:
-                return None
-            position += len(part)
-        if num_rows is not None and position < num_rows:
-            return None
-        if not self.chunks:
-            return None
-        if len(self.chunks) == 1:
-            # NOTE: a chunk is the store's own copy: no need for another.
-            return self.chunks[0][1][:num_rows]
-        return torch.cat([part for _, part in self.chunks])[:num_rows]
-
-
-def _alone(
-    item: PlannedRequest, prompt: _Prompt | None, scores: bool, uses: Mapping[int, int]
-) -> bool:
-    """Whether a verified hit is read straight into its prompt's result (`LiveStore._read`):
-    a prompt's, not scored, in blocks no other request of the step needs."""
-    return prompt is not None and not scores and all(uses[b] == 1 for b in item.hit_block_ids)
-
-
-def _nbytes(rows: torch.Tensor) -> int:
-    return rows.numel() * rows.element_size()
-
-
-class ScoredPrompt(NamedTuple):
-    """A request whose hit positions are scored in a step (see `PromptScorer`)."""
-
-    req_id: str
-    # The hit's tokens: its first positions.
-    num_tokens: int
-    # The hit's blocks, as indices into the step's rows of hit blocks; None
-    # when the hit's rows could not be read (a block lost its key).
-    blocks: tuple[int, ...] | None
-
-
-class PromptScorer(Protocol):
-    """What scores hits' prompt positions from their stored rows (`PromptOutputs`)."""
-
-    def wants(self, req_id: str) -> bool:
-        """Whether the request's prompt positions are scored (prompt logprobs or embeddings)."""
-        ...
-
-    def score(self, rows: torch.Tensor, block_size: int, prompts: Sequence[ScoredPrompt]) -> None:
-        """Scores each prompt's first positions from the step's ``rows`` of hit blocks.
-
-        Args:
-            rows: ``(num_blocks * block_size, hidden)``: each hit block of the
-                step once, in the order the prompts' ``blocks`` index.
-            block_size: tokens per block.
-            prompts: the requests, each position ``p`` of one from row
-                ``blocks[p // block_size] * block_size + p % block_size``; one
-                without blocks gets no value that could pass for one.
-        """
-        ...
-
-
 def follower_store(num_blocks: int, block_size: int) -> TensorStore:
     """The store of a tensor-parallel rank but the first: the same stamps, one byte a row.
 
@@ -232,7 +134,7 @@ class LiveStore:
             and a `HIDDEN_STATES` entry.
         max_results: prompt results kept until taken.
         tier: the tier blocks are loaded from and saved to (None: none).
-        scorer: gives the hit positions of requests that ask for prompt
+        hit_logprobs: gives the hit positions of requests that ask for prompt
             logprobs or per-token embeddings their outputs, from the hit's
             rows (None: none asks).
         share: under tensor parallelism, the rank group's broadcast from the
@@ -245,9 +147,8 @@ class LiveStore:
             take (only the first rank's does under tensor parallelism: its
             results are the ones taken).
         max_staged_bytes: the most bytes the staged steps' rows take (the
-            model's rows, counted alike on every rank): the staged rows are
-            written when one more step's would take more, and a step whose
-            rows alone would is written at once (0: every step is).
+            model's rows, counted alike on every rank; the write rule is
+            `StagedSteps`'s; 0: no step waits).
         copy_steps: whether a staged step keeps copies of its rows and slot
             mapping, made on their device, or the model's rows themselves and
             its slots' values (see `_stage`). None: copies of a device's,
@@ -260,7 +161,7 @@ class LiveStore:
         *,
         max_results: int,
         tier: WorkerTier | None = None,
-        scorer: PromptScorer | None = None,
+        hit_logprobs: HitLogprobs | None = None,
         share: Callable[[torch.Tensor], torch.Tensor] | None = None,
         keeps_results: bool = True,
         max_staged_bytes: int = MAX_STAGED_BYTES,
@@ -278,11 +179,12 @@ class LiveStore:
                 "store: a follower's store (one byte a row) expected with a share and without "
                 f"results, found share={share!r}, keeps_results={keeps_results!r}"
             )
-        self.share = share
         self._mark_rows = torch.zeros((0, 1), dtype=FOLLOWER_DTYPE)
         # Steps whose rows wait to be written (`_stage`). And the blocks a
         # write in `begin` stamped (saved to the tier by `apply`).
-        self._staged = Staged(store.block_size)
+        self._staged = StagedSteps(
+            store.block_size, check_int("max_staged_bytes", max_staged_bytes, minimum=0)
+        )
         self._flushed: dict[int, BlockHash] = {}
         # The model's bytes a row (`start_forward`), as the last staged step's;
         # the same when that step kept its rows as they are, else 0
@@ -291,23 +193,39 @@ class LiveStore:
         self._host_row_bytes = 0
         self.store = store
         self.tier = tier
-        self.scorer = scorer
-        self.max_results = check_int("max_results", max_results, minimum=1)
-        self.max_staged_bytes = check_int("max_staged_bytes", max_staged_bytes, minimum=0)
         self.keeps_results = keeps_results
+        # The results kept for callers; the hits verified and served.
+        self.results = PromptResults(max_results)
+        self.hits = HitReader(store, keeps_rows=self.keeps_rows, logprobs=hit_logprobs, share=share)
         if copy_steps is not None and not isinstance(copy_steps, bool):
             raise TypeError(f"copy_steps: expected a bool or None, found {type_name(copy_steps)}")
         self.copy_steps = copy_steps
-        self._prompts: dict[str, _Prompt] = {}
-        # Request id -> (its key, its rows or None).
-        self._results: OrderedDict[str, tuple[str, torch.Tensor | None]] = OrderedDict()
         self._stats = LiveStoreStats()
         self._begun: StepPlan | None = None
 
     @property
+    def max_staged_bytes(self) -> int:
+        """The most bytes the staged steps' rows take (`StagedSteps.max_bytes`)."""
+        return self._staged.max_bytes
+
+    @property
     def stats(self) -> LiveStoreStats:
-        """A snapshot of the counters."""
-        return replace(self._stats, num_pending_results=len(self._results))
+        """A snapshot of the counters, the hits' and the results' among them."""
+        hits, results = self.hits, self.results
+        return replace(
+            self._stats,
+            num_hit_requests=hits.num_hit_requests,
+            num_hit_blocks=hits.num_hit_blocks,
+            num_stale_hit_blocks=hits.num_stale_hit_blocks,
+            num_scored_requests=hits.num_scored_requests,
+            num_scored_tokens=hits.num_scored_tokens,
+            num_score_failures=hits.num_score_failures,
+            num_prompt_results=results.num_prompt_results,
+            num_prompt_failures=results.num_prompt_failures,
+            num_results_dropped=results.num_results_dropped,
+            num_incomplete_dropped=results.num_incomplete_dropped,
+            num_pending_results=len(results),
+        )
 
     def begin(self, plan: StepPlan, rows: torch.Tensor | None = None) -> None:
         """Applies the start of a step's plan: cleared stamps, new prompt requests.
@@ -316,7 +234,7 @@ class LiveStore:
         order (vLLM starts a step's loads after its forward pass, which is
         where the store applies the step). ``rows``: the step's rows, when
         they are computed and not yet staged (checked to be none of the
-        staged rows before those are written, `Staged.fresh_rows`).
+        staged rows before those are written, `StagedSteps.fresh_rows`).
         """
         if self._begun is plan:
             return
@@ -345,11 +263,8 @@ class LiveStore:
             self._flushed.clear()
         if plan.cleared_block_ids:
             self._clear(plan.cleared_block_ids)
-        if not self.keeps_results:
-            return
-        for req_id, num_tokens in plan.prompt_requests.items():
-            every = req_id in plan.sequence_requests
-            self._prompts[req_id] = _Prompt(None if every else num_tokens, plan.result_keys[req_id])
+        if self.keeps_results:
+            self.results.expect(plan)
 
     def _clear(self, block_ids: Sequence[int]) -> None:
         """Clears the stamps of blocks vLLM handed out again; the tier gets none of them.
@@ -371,10 +286,9 @@ class LiveStore:
         reads their slots: before the forward pass that read waits for the
         steps before this one, after it for this one's forward pass too.
         Besides `begin`'s reasons (a step that cannot wait, or clears a block
-        holding staged rows), the staged rows are written when this step's
-        would take them to `MAX_DEFERRED_STEPS` steps or past
-        ``max_staged_bytes`` (the model's bytes a row as the staged steps'),
-        as `apply` would write them. What only the step's rows show (a batch
+        holding staged rows), the staged rows are written when staging this
+        step would write them (`StagedSteps.writes_with`, the model's bytes a
+        row as the staged steps'), as `apply` would. What only the step's rows show (a batch
         of other requests than planned, slots read at other places) is left
         to `apply`, after the forward pass. On the CPU, where reading waits
         for nothing, the worker does not call it and leaves it all to
@@ -382,13 +296,12 @@ class LiveStore:
         staged steps, `begin` here and `apply` after both run `staged_slots`).
         """
         staged = self._staged
-        if (staged.steps or staged.decode) and self._begun is not plan:
-            nbytes = sum(item.num_new for item in plan.requests) * self._row_bytes
-            if (
-                len(staged.steps) + len(staged.decode) + 1 >= MAX_DEFERRED_STEPS
-                or staged.nbytes + nbytes > self.max_staged_bytes
-            ):
-                self._flushed.update(self._write_pending())
+        if (
+            (staged.steps or staged.decode)
+            and self._begun is not plan
+            and staged.writes_with(sum(item.num_new for item in plan.requests) * self._row_bytes)
+        ):
+            self._flushed.update(self._write_pending())
         self.begin(plan)
 
     def start_step(self, plan: StepPlan) -> set[int]:
@@ -418,11 +331,9 @@ class LiveStore:
         """Writes the rows of staged steps now (stamping, and saving to the tier).
 
         The store writes them itself before any step that hits or clears
-        their blocks, loads, invalidates or cannot wait, and when
-        `MAX_DEFERRED_STEPS` wait or one more step's rows would take more
-        than ``max_staged_bytes``;
-        a caller between steps calls this too (counters, the tier's flush,
-        shutdown).
+        their blocks, loads, invalidates or cannot wait, and by the write
+        rule (`StagedSteps`); a caller between steps calls this too
+        (counters, the tier's flush, shutdown).
 
         Returns:
             Block id -> key of the blocks stamped since the last step that
@@ -458,13 +369,13 @@ class LiveStore:
         ``copy_steps``: `_stage`; learned from an earlier step's rows), whose
         rows may wait (within ``max_staged_bytes`` and `MAX_HOST_STEP_BYTES`).
         The rows' count is checked when the staged rows are written
-        (`staged_steps.Staged.take`).
+        (`staged_steps.StagedSteps.take`).
         """
         row_bytes = self._host_row_bytes
-        if not (row_bytes and plan.decode) or self._prompts:
+        if not (row_bytes and plan.decode) or self.results.gathering:
             return None
         num = len(plan.requests)
-        if num * row_bytes > self.max_staged_bytes or num * row_bytes > MAX_HOST_STEP_BYTES:
+        if not self._staged.admits(num * row_bytes, on_cpu=True):
             return None
         # NOTE: the whole mapping, then the list cut: a slice and a shape are
         # two more calls into torch.
@@ -514,11 +425,9 @@ class LiveStore:
             self._stats.num_steps += 1
             self._begun = plan
             nbytes = len(slot_values) * self._host_row_bytes
-            over = waiting.nbytes + nbytes > self.max_staged_bytes
-            stamped = self._flush(hidden_states) if over else {}
-            waiting.decode.append((hidden_states, slot_values, plan, batch_order))
-            waiting.nbytes += nbytes
-            if len(waiting.steps) + len(waiting.decode) >= MAX_DEFERRED_STEPS:
+            stamped = self._flush(hidden_states) if waiting.write_before(nbytes) else {}
+            waiting.add(hidden_states, slot_values, None, plan, batch_order, nbytes)
+            if waiting.write_after():
                 stamped.update(self.flush())
             # NOTE: its finished requests end no gathering: no prompt is gathered.
             return stamped
@@ -526,9 +435,9 @@ class LiveStore:
         self._stats.num_steps += 1
         if hidden_states is not None and slot_mapping is not None:
             staged: tuple[list[int], list[int], bool] | None = None
-            if plan.decode and not self._prompts:
+            if plan.decode and not self.results.gathering:
                 # NOTE: staged by its plan alone: its requests are read later,
-                # with the other staged steps' (`Staged.resolve`).
+                # with the other staged steps' (`StagedSteps.resolve`).
                 num = len(plan.requests)
             else:
                 if self._staged.decode:
@@ -546,12 +455,7 @@ class LiveStore:
                 on_cpu = hidden_states.is_cpu
                 copy = not on_cpu if self.copy_steps is None else self.copy_steps
                 self._host_row_bytes = 0 if copy or not on_cpu else row_bytes
-                if (
-                    nbytes <= self.max_staged_bytes
-                    and (nbytes <= MAX_HOST_STEP_BYTES or not on_cpu)
-                    and num_given >= num
-                    and num_slots >= num
-                ):
+                if self._staged.admits(nbytes, on_cpu) and num_given >= num and num_slots >= num:
                     stamped = self._stage(
                         plan,
                         staged,
@@ -561,10 +465,10 @@ class LiveStore:
                         hidden_states if num_given == num else hidden_states[:num],
                         slot_mapping if num_slots == num else slot_mapping[:num],
                     )
-                    if staged is not None and (staged[2] or self._prompts):
+                    if staged is not None and (staged[2] or self.results.gathering):
                         self._read(batch_requests(plan, batch_order), hidden_states)
                     if plan.finished_req_ids:
-                        self._finish_requests(plan.finished_req_ids)
+                        self.results.finish_requests(plan.finished_req_ids)
                     return stamped
         if hidden_states is not None and (self._staged.steps or self._staged.decode):
             # NOTE: before `begin`, which may write the staged rows.
@@ -586,76 +490,10 @@ class LiveStore:
                 stamped.pop(block_id, None)
         if batch and hidden_states is not None:
             self._read(batch, hidden_states)
-        self._finish_requests(plan.finished_req_ids)
+        self.results.finish_requests(plan.finished_req_ids)
         if self.tier is not None:
             self.tier.save(store, stamped)
         return stamped
-
-    def _finish_requests(self, req_ids: Sequence[str]) -> None:
-        """Ends the gathering of finished requests: every position's rows are a result."""
-        for req_id in req_ids:
-            prompt = self._prompts.get(req_id)
-            if prompt is not None and prompt.num_tokens is None:
-                self._finish(req_id, prompt.rows())
-            elif self._prompts.pop(req_id, None) is not None:
-                self._stats.num_incomplete_dropped += 1
-
-    def take(
-        self,
-        requests: Mapping[str, str],
-        *,
-        max_bytes: int | None = None,
-        num_positions: Mapping[str, int] | None = None,
-    ) -> dict[str, torch.Tensor | int | None]:
-        """Removes and returns the results of requests, each given with its key.
-
-        Args:
-            requests: request id -> the key of its result (``kv_transfer_params``).
-            max_bytes: the largest result taken (None: any); a larger one is
-                left in place.
-            num_positions: request id -> its rows, for requests that asked for
-                every position (``omnicache_num_positions`` of its
-                ``kv_transfer_params``). Such a request's result is complete
-                when its caller sees it finish, before the engine's next step
-                tells the worker: with its count, it is taken then.
-
-        Returns:
-            Request id -> ``(num_rows, hidden)`` rows: the prompt's, or every
-            position's; None when its hit could not be read (stale), or when
-            it has fewer rows than its count; or, for a result over
-            ``max_bytes``, its size in bytes (not taken). Requests without a
-            result, or given another key, are left out.
-        """
-        counts = dict(num_positions or {})
-        for req_id, number in counts.items():
-            check_int(f"num_positions[{req_id!r}]", number, minimum=0)
-        found: dict[str, torch.Tensor | int | None] = {}
-        for req_id, key in requests.items():
-            check_str("request id", req_id)
-            check_str(f"requests[{req_id!r}]", key)
-            count = counts.get(req_id)
-            if req_id not in self._results:
-                prompt = self._prompts.get(req_id)
-                if (
-                    prompt is None
-                    or prompt.num_tokens is not None
-                    or count is None
-                    or not hmac.compare_digest(prompt.key.encode(), key.encode())
-                ):
-                    continue
-                self._finish(req_id, prompt.rows(count))
-            kept = self._results.get(req_id)
-            if kept is None or not hmac.compare_digest(kept[0].encode(), key.encode()):
-                continue
-            rows = kept[1]
-            if rows is not None and count is not None:
-                rows = rows[:count] if len(rows) >= count else None
-            if rows is not None and max_bytes is not None and _nbytes(rows) > max_bytes:
-                found[req_id] = _nbytes(rows)
-                continue
-            del self._results[req_id]
-            found[req_id] = rows
-        return found
 
     def _stage(
         self,
@@ -672,7 +510,7 @@ class LiveStore:
         ``planned``: the rows' slots and blocks (`staged_steps.staged_slots`),
         or None for a steady decode step, staged by its plan alone
         (`StepPlan.decode`: its slots are found when the staged steps are
-        resolved, `staged_steps.Staged.resolve`, and the decode steps are
+        resolved, `staged_steps.StagedSteps.resolve`, and the decode steps are
         the last staged: a step staged with its slots resolves them first);
         ``nbytes``: the bytes of the model's rows of the step (on every rank,
         a follower's too, so that every rank writes at the same step);
@@ -693,7 +531,7 @@ class LiveStore:
         later step's rows would start where a staged step's do: the staged
         rows are refused before anything writes them, and so is a step
         written at once whose rows start where a staged step's do
-        (`Staged.fresh_rows`).
+        (`StagedSteps.fresh_rows`).
         """
         staged = self._staged
         rows: torch.Tensor | None = None
@@ -706,25 +544,16 @@ class LiveStore:
             self.begin(plan, hidden_states)
         self._begun = plan
         stamped: dict[int, BlockHash] = {}
-        if staged.nbytes + nbytes > self.max_staged_bytes:
+        if staged.write_before(nbytes):
             stamped = self._flush(hidden_states)
         mapping: torch.Tensor | list[int] = slot_mapping.clone() if copy else slot_mapping.tolist()
-        if planned is None:
-            staged.decode.append((rows, mapping, plan, batch_order))
-        else:
-            staged.steps.append(
-                (rows, mapping, planned[0], plan.block_keys, batch_order, plan.number)
-            )
-            # NOTE: kept as steps come, not gathered when asked: with a large
-            # batch and small blocks, most decode steps clear blocks.
-            staged.blocks.update(planned[1])
-        staged.nbytes += nbytes
-        if len(staged.steps) + len(staged.decode) >= MAX_DEFERRED_STEPS:
+        staged.add(rows, mapping, planned, plan, batch_order, nbytes)
+        if staged.write_after():
             stamped.update(self.flush())
         return stamped
 
     def _resolve(self, rows: torch.Tensor | None = None) -> None:
-        """Resolves the decode steps staged by their plans (`staged_steps.Staged.resolve`);
+        """Resolves the decode steps staged by their plans (`staged_steps.StagedSteps.resolve`);
         ``rows`` as `begin`'s.
 
         Raises:
@@ -793,150 +622,8 @@ class LiveStore:
         return self._mark_rows
 
     def _read(self, batch: list[PlannedRequest], hidden_states: torch.Tensor) -> None:
-        """Verifies the step's hits; gathers prompt rows; scores hits' positions.
-
-        NOTE: the hit blocks of every request that needs their rows are read
-        once per step, however many requests share them (a harness sends many
-        prompts behind one long prefix). A prompt's hit whose blocks no other
-        request of the step needs, and which is not scored, is read straight
-        into its result: gathered with the others, its rows would be copied
-        twice (in the engine, 16 requests' 448-row hits at hidden 1024 in
-        float32: 28 MiB more each step).
-        """
-        offset = 0
-        scorer = self.scorer
-        # (request, its step rows, its hit verified, asks, scores) of those needing hit rows.
-        needs: list[tuple[PlannedRequest, torch.Tensor, bool, _Prompt | None, bool]] = []
-        for item in batch:
-            rows = hidden_states[offset : offset + item.num_new]
-            offset += item.num_new
-            verified = True
-            if item.hit_block_ids:
-                self._stats.num_hit_requests += 1
-                self._stats.num_hit_blocks += len(item.hit_block_ids)
-                valid = self.store.probe(item.hit_block_ids, item.hit_block_keys)
-                self._stats.num_stale_hit_blocks += len(item.hit_block_ids) - valid
-                verified = valid == len(item.hit_block_ids)
-            prompt = self._prompts.get(item.req_id)
-            limit = None if prompt is None else prompt.num_tokens
-            if limit is not None and item.start >= limit:
-                prompt = None
-            scores = bool(item.hit_block_ids) and scorer is not None and scorer.wants(item.req_id)
-            if prompt is not None and not item.hit_block_ids:
-                # NOTE: results wait in the store's memory (host memory beside a GPU)
-                # until taken, as the hits' rows do: a copy of vLLM's buffer.
-                self._add(item.req_id, prompt, item.start, rows.to(self.store.device, copy=True))
-            elif prompt is not None or scores:
-                needs.append((item, rows, verified, prompt, scores))
-        if not needs:
-            return
-        # Requests per block among the verified hits: a prompt's own blocks
-        # (`_alone`) are read into its result.
-        uses: dict[int, int] = {}
-        for item, _, verified, _, _ in needs:
-            if verified:
-                for block_id in item.hit_block_ids:
-                    uses[block_id] = uses.get(block_id, 0) + 1
-        # NOTE: the scored requests' blocks first: under tensor parallelism
-        # every rank scores them, from the rows the first rank shares.
-        index: dict[int, int] = {}
-        keys: list[BlockHash] = []
-        num_scored = 0
-        for scored_first in (True, False):
-            for item, _, verified, prompt, scores in needs:
-                if scores != scored_first or not verified or _alone(item, prompt, scores, uses):
-                    continue
-                for block_id, key in zip(item.hit_block_ids, item.hit_block_keys, strict=True):
-                    if block_id not in index:
-                        index[block_id] = len(index)
-                        keys.append(key)
-            if scored_first:
-                num_scored = len(index)
-        # NOTE: every block read belongs to a hit verified above: none is stale.
-        bs, hidden = self.store.block_size, hidden_states.shape[-1]
-        if not index:
-            hit_rows = hidden_states.new_empty(0, hidden)
-        elif self.keeps_rows:
-            hit_rows = self.store.read_blocks(HIDDEN_STATES, list(index), keys)
-        else:
-            # NOTE: a follower has no prompts: every block it needs is scored.
-            hit_rows = hidden_states.new_empty(len(index) * bs, hidden)
-        scored_rows = hit_rows
-        if self.share is not None and num_scored:
-            scored_rows = self.share(
-                hit_rows[: num_scored * bs].to(hidden_states.device).contiguous()
-            )
-        blocks = hit_rows.view(-1, bs, hidden)
-        scored: list[ScoredPrompt] = []
-        dtype, device = self.store.entries[HIDDEN_STATES].dtype, self.store.device
-        for item, rows, verified, prompt, scores in needs:
-            alone = verified and _alone(item, prompt, scores, uses)
-            ids = (
-                tuple(index[block_id] for block_id in item.hit_block_ids)
-                if verified and not alone
-                else None
-            )
-            if prompt is not None:
-                if not verified:
-                    self._finish(item.req_id, None)
-                else:
-                    # The hit's blocks, then the step's rows, in one tensor beside the
-                    # store's rows (the step's may be on the model's device).
-                    num_hit = len(item.hit_block_ids) * bs
-                    whole = torch.empty((num_hit + len(rows), hidden), dtype=dtype, device=device)
-                    if ids is None:
-                        # Blocks no other request needs: read straight into the result.
-                        self.store.read_blocks(
-                            HIDDEN_STATES,
-                            item.hit_block_ids,
-                            item.hit_block_keys,
-                            out=whole[:num_hit],
-                        )
-                    elif ids == tuple(range(ids[0], ids[0] + len(ids))):
-                        # The request's blocks were read next to each other: one slice.
-                        first = ids[0] * bs
-                        whole[:num_hit].copy_(hit_rows[first : first + num_hit])
-                    else:
-                        torch.index_select(
-                            blocks,
-                            0,
-                            torch.tensor(ids, device=blocks.device),
-                            out=whole[:num_hit].view(-1, bs, hidden),
-                        )
-                    whole[num_hit:].copy_(rows)
-                    self._add(item.req_id, prompt, 0, whole)
-            if scores:
-                scored.append(ScoredPrompt(item.req_id, item.start, ids))
-                self._count_scored(item, ids is not None)
-        if scored:
-            assert scorer is not None
-            scorer.score(scored_rows, bs, scored)
-
-    def _add(self, req_id: str, prompt: _Prompt, start: int, rows: torch.Tensor) -> None:
-        whole = prompt.add(start, rows)
-        if whole is not None:
-            self._finish(req_id, whole)
-
-    def _count_scored(self, item: PlannedRequest, read: bool) -> None:
-        if read:
-            self._stats.num_scored_requests += 1
-            self._stats.num_scored_tokens += item.start
-            return
-        self._stats.num_score_failures += 1
-        _LOG.warning(
-            "request %s: its prefix hit's rows could not be read; the outputs (prompt "
-            "logprobs, embeddings) of its first %d positions are NaN",
-            item.req_id,
-            item.start,
-        )
-
-    def _finish(self, req_id: str, rows: torch.Tensor | None) -> None:
-        prompt = self._prompts.pop(req_id)
-        if rows is None:
-            self._stats.num_prompt_failures += 1
-        else:
-            self._stats.num_prompt_results += 1
-        self._results[req_id] = (prompt.key, rows)
-        while len(self._results) > self.max_results:
-            self._results.popitem(last=False)
-            self._stats.num_results_dropped += 1
+        """The step's hits verified and served (`hits.HitReader.read`); the rows of gathered
+        prompts handed to the results."""
+        results = self.results
+        for req_id, start, rows in self.hits.read(batch, hidden_states, results.gathering):
+            results.add(req_id, start, rows)

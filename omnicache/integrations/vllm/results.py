@@ -1,7 +1,7 @@
 """A finished request's prompt hidden states, taken out of the engine: from ``LLM``, over HTTP.
 
 The worker keeps a request's prompt hidden states until they are taken
-(`worker.LiveStore`), under the request's engine core id and a key that only
+(`prompt_results.PromptResults`), under the request's engine core id and a key that only
 its caller learns: the two entries of the request's ``kv_transfer_params``
 (``omnicache_request_id``, ``omnicache_result_key``; see the connector). A
 result is taken once; an unknown id, a wrong key or a result already taken
@@ -52,6 +52,7 @@ from omnicache.integrations.vllm.plan import (
     REQUEST_ID_PARAM,
     RESULT_KEY_PARAM,
 )
+from omnicache.integrations.vllm.prompt_results import decode_result
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -59,8 +60,6 @@ __all__ = [
     "ROUTE",
     "TAKE_METHOD",
     "OmniEndpoints",
-    "decode_result",
-    "encode_result",
     "fetch_prompt_hidden_states",
     "read_safetensors",
     "safetensors_bytes",
@@ -84,38 +83,6 @@ _SAFETENSORS_DTYPES = {
     torch.bfloat16: "BF16",
     torch.float64: "F64",
 }
-
-
-# -- the worker's results across vLLM's transport ----------------------------------------
-
-
-def encode_result(value: torch.Tensor | int | None) -> dict[str, Any] | None:
-    """A result of `worker.LiveStore.take` as plain values for vLLM's msgpack transport.
-
-    Rows become their dtype's name, shape and raw bytes (copied to the CPU);
-    a result left in place for its size becomes ``{"num_bytes": n}``; None
-    (a hit that could not be read) stays None.
-    """
-    if value is None:
-        return None
-    if isinstance(value, int):
-        return {"num_bytes": value}
-    rows = value.detach().to("cpu").contiguous()
-    return {
-        "dtype": str(rows.dtype).removeprefix("torch."),
-        "shape": list(rows.shape),
-        "data": rows.view(torch.uint8).numpy().tobytes(),
-    }
-
-
-def decode_result(value: dict[str, Any] | None) -> torch.Tensor | int | None:
-    """The result `encode_result` encoded."""
-    if value is None:
-        return None
-    if "data" not in value:
-        return int(value["num_bytes"])
-    dtype = getattr(torch, value["dtype"])
-    return torch.frombuffer(bytearray(value["data"]), dtype=dtype).reshape(value["shape"])
 
 
 class _Handle(NamedTuple):

@@ -10,7 +10,7 @@ in no block a staged step or the step itself writes.
 A steady decode step (`StepPlan.decode`: one token of each request in its
 planned block, no hit, nothing loaded or asked, and only blocks cleared
 that no plan of the `MAX_DEFERRED_STEPS` before it wrote rows to) is staged
-by its plan alone: its slots and blocks are found later (`Staged.resolve`),
+by its plan alone: its slots and blocks are found later (`StagedSteps.resolve`),
 in one loop over every such step, before anything reads the staged steps
 (a step that is not one, or their write), by `staged_slots` as any staged
 step's. Right after the forward pass, that took about 10 of the 41 us
@@ -18,21 +18,21 @@ step's. Right after the forward pass, that took about 10 of the 41 us
 about 1-1.5 us a step when the staged rows are written, and about 4.5 in a
 step that is not one (right after its forward pass, cold). Such a step
 that clears blocks writes first only the rows staged from plans that old
-(`Staged.holds_plan_up_to`): no later staged step wrote to its cleared
+(`StagedSteps.holds_plan_up_to`): no later staged step wrote to its cleared
 blocks, and the staged decode steps are not resolved for it.
 A step whose rows turn out not to be its plan's requests is refused then,
 after the steps before it are written. On the CPU, once the staged rows
 are the model's own, such a step is checked before its forward pass and
 only staged after it (`LiveStore.decode_slot_values`): the count of its
 rows and where they are, as every staged step's, are checked in one loop
-when the staged steps are taken to be written (`Staged.take`).
+when the staged steps are taken to be written (`StagedSteps.take`).
 
-What a staged step keeps (`Staged`): on a device (a GPU), a copy of its
+What a staged step keeps (`StagedSteps`): on a device (a GPU), a copy of its
 rows and of its slot mapping, made there (no value of either is read: the
 step never waits for the forward pass); on the CPU, where reading waits for
 nothing, its slots' values and the model's rows themselves (`LiveStore`'s
 ``copy_steps``; a model that writes a step's rows where a staged step's are
-is refused before anything writes them, `Staged.fresh_rows`).
+is refused before anything writes them, `StagedSteps.fresh_rows`).
 
 They wait until a step that loads, invalidates, or reads or clears a block
 holding staged rows (a steady decode step's clears: rows of plans
@@ -74,7 +74,7 @@ __all__ = [
     "MAX_HOST_STEP_BYTES",
     "MAX_STAGED_BYTES",
     "STAGED_BUDGET_SHARE",
-    "Staged",
+    "StagedSteps",
     "Written",
     "default_max_staged_bytes",
     "staged_slots",
@@ -131,7 +131,7 @@ def staged_slots(
         plan: the step's plan.
         batch_order: the rows' request ids (None: the slots in the plan's order).
         block_size: tokens per block.
-        staged_blocks: the blocks of the staged steps' rows (`Staged.blocks`).
+        staged_blocks: the blocks of the staged steps' rows (`StagedSteps.blocks`).
 
     Returns:
         The slots in the rows' order, the blocks they are in, and whether
@@ -182,7 +182,7 @@ def staged_slots(
     return ordered, blocks, bool(hits)
 
 
-# A step whose rows wait to be written (`Staged.steps`): its rows (a
+# A step whose rows wait to be written (`StagedSteps.steps`): its rows (a
 # copy made on their device; on the CPU the model's own; None in a
 # follower's store) and its slot mapping (a copy made on its device; on the
 # CPU its values); its planned slots in the rows' order, its plan's keys, the
@@ -201,13 +201,22 @@ _StagedStep = tuple[
 
 # A steady decode step staged by its plan (`StepPlan.decode`): its rows and
 # slot mapping as a `_StagedStep`'s, its plan and the rows' request ids. Its
-# slots and blocks are found when it is resolved (`Staged.resolve`).
+# slots and blocks are found when it is resolved (`StagedSteps.resolve`).
 _DecodeStep = tuple[torch.Tensor | None, torch.Tensor | list[int], StepPlan, Sequence[str]]
 
 
 @dataclass(slots=True, eq=False)
-class Staged:
-    """The steps whose rows wait to be written (`LiveStore` stages them), and their marks.
+class StagedSteps:
+    """The steps whose rows wait to be written (`LiveStore` stages them), their bound and
+    their write rule.
+
+    The write rule, stated here once: the staged rows are written before a
+    step whose rows would take them past ``max_bytes`` is staged
+    (`write_before`), and once `MAX_DEFERRED_STEPS` steps wait
+    (`write_after`); `writes_with` is both, for a step about to be staged.
+    A step is staged at all only within ``max_bytes`` and, on the CPU,
+    `MAX_HOST_STEP_BYTES` (`admits`). (Their other reasons to be written,
+    which the plans give, are `LiveStore.begin`'s.)
 
     ``steps``: in order, each with its planned slots; ``decode``: the steady
     decode steps staged after them by their plans alone (`StepPlan.decode`),
@@ -223,10 +232,53 @@ class Staged:
     """
 
     block_size: int
+    # The most bytes of the model's rows the staged steps take (0: none waits).
+    max_bytes: int = MAX_STAGED_BYTES
     steps: list[_StagedStep] = field(default_factory=list)
     decode: list[_DecodeStep] = field(default_factory=list)
     nbytes: int = 0
     blocks: set[int] = field(default_factory=set)
+
+    def admits(self, nbytes: int, on_cpu: bool) -> bool:
+        """Whether a step of ``nbytes`` (its model's rows) may wait at all (the write rule)."""
+        return nbytes <= self.max_bytes and (nbytes <= MAX_HOST_STEP_BYTES or not on_cpu)
+
+    def write_before(self, nbytes: int) -> bool:
+        """Whether the staged rows are written before a step of ``nbytes`` joins them."""
+        return self.nbytes + nbytes > self.max_bytes
+
+    def write_after(self) -> bool:
+        """Whether the staged rows are written now that a step joined them."""
+        return len(self.steps) + len(self.decode) >= MAX_DEFERRED_STEPS
+
+    def writes_with(self, nbytes: int) -> bool:
+        """Whether staging a step of ``nbytes`` writes the staged rows, before or after it."""
+        return (
+            self.write_before(nbytes)
+            or len(self.steps) + len(self.decode) + 1 >= MAX_DEFERRED_STEPS
+        )
+
+    def add(
+        self,
+        rows: torch.Tensor | None,
+        mapping: torch.Tensor | list[int],
+        planned: tuple[list[int], list[int], bool] | None,
+        plan: StepPlan,
+        batch_order: Sequence[str],
+        nbytes: int,
+    ) -> None:
+        """Stages a step: with its planned slots and blocks (`staged_slots`), or None for a
+        steady decode step staged by its plan alone."""
+        if planned is None:
+            self.decode.append((rows, mapping, plan, batch_order))
+        else:
+            self.steps.append(
+                (rows, mapping, planned[0], plan.block_keys, batch_order, plan.number)
+            )
+            # NOTE: kept as steps come, not gathered when asked: with a large
+            # batch and small blocks, most decode steps clear blocks.
+            self.blocks.update(planned[1])
+        self.nbytes += nbytes
 
     def holds_plan_up_to(self, number: int) -> bool:
         """Whether a staged step's plan is numbered ``number`` or less (`StepPlan.number`).
@@ -364,7 +416,7 @@ class Written(NamedTuple):
 def write_staged(
     store: TensorStore, staged: list[_StagedStep], marks: Callable[[int], torch.Tensor] | None
 ) -> Written:
-    """Writes the rows of ``staged`` steps (taken from a `Staged`, in order).
+    """Writes the rows of ``staged`` steps (taken from a `StagedSteps`, in order).
 
     ``marks``: a follower's rows (`LiveStore`'s), or None when the steps
     keep the model's rows.

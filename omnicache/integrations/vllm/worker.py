@@ -68,13 +68,13 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from omnicache.checks import check_int, type_name
+from omnicache.integrations.vllm.capture import StepCapture
 from omnicache.integrations.vllm.common import (
     CONNECTOR_NAME,
     GPU_WORKER_CLS,
@@ -82,14 +82,9 @@ from omnicache.integrations.vllm.common import (
     vllm_series,
 )
 from omnicache.integrations.vllm.connector import OmniStepMetadata, OmniStoreConnector
-from omnicache.integrations.vllm.live_store import (
-    FOLLOWER_DTYPE,
-    LiveStore,
-    ScoredPrompt,
-    follower_store,
-)
-from omnicache.integrations.vllm.plan import StepPlan
-from omnicache.integrations.vllm.results import encode_result
+from omnicache.integrations.vllm.hits import HitLogprobs, share_from_first_rank
+from omnicache.integrations.vllm.live_store import FOLLOWER_DTYPE, LiveStore, follower_store
+from omnicache.integrations.vllm.prompt_results import encode_result
 from omnicache.integrations.vllm.staged_steps import default_max_staged_bytes
 from omnicache.integrations.vllm.tier import WorkerTier
 from omnicache.store import TensorStore
@@ -99,13 +94,11 @@ vllm_series()  # vLLM imports this module by name: fail here, with the install h
 from vllm.distributed import (  # noqa: E402
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
-    get_tp_group,
 )
 from vllm.distributed.kv_transfer import (  # noqa: E402
     get_kv_transfer_group,
     has_kv_transfer_group,
 )
-from vllm.forward_context import get_forward_context  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.v1.worker.cpu_worker import CPUWorker
@@ -120,7 +113,6 @@ __all__ = [
     "OmniCPUWorker",
     "OmniGPUWorker",
     "OmniWorkerMixin",
-    "PromptOutputs",
 ]
 
 STATS_METHOD = "omni_live_store_stats"
@@ -130,243 +122,6 @@ DEFAULT_MAX_PROMPT_RESULTS = 256
 # NOTE: vLLM's logging configuration handles its own loggers' records; the
 # sizes a user sizes the engine by belong in the engine's log.
 _ENGINE_LOG = logging.getLogger("vllm.omnicache")
-
-
-# -- prompt outputs from the store ------------------------------------------------------
-
-
-class PromptOutputs:
-    """A hit's per-position outputs, from the hit's stored rows (a `PromptScorer`).
-
-    vLLM's model runner computes a request's per-position outputs from the
-    rows it computes, from ``num_computed_tokens`` on; a hit's positions are
-    filled in here first, in the same step, right after the forward pass:
-
-    - prompt logprobs (a generating model): vLLM computes them into the
-      request's ``in_progress_prompt_logprobs_cpu`` when it samples the step
-      (``_get_prompt_logprobs_dict``). A hit's positions get them by the same
-      recipe: the model's ``compute_logits`` over the rows, the scores of the
-      engine's ``logprobs_mode`` and the sampler's ``gather_logprobs`` of the
-      request's ``k`` and the next prompt token, in batches of at most the
-      runner's ``max_num_tokens`` rows (the most vLLM scores at once);
-    - per-token embeddings (pooling's ``token_embed``): vLLM's pooler gathers
-      a request's rows chunk by chunk in its ``pooling_states`` (chunked
-      prefill on) and runs its head over them once the prompt is complete.
-      The hit's rows go first in that list.
-
-    Raises:
-        RuntimeError: a model runner without what these use (the message
-            names it).
-    """
-
-    __slots__ = ("_empty", "_runner")
-
-    def __init__(self, runner: Any) -> None:
-        from vllm.v1.outputs import LogprobsTensors
-
-        needed: list[tuple[Any, tuple[str, ...]]] = [
-            (runner, ("requests", "num_prompt_logprobs", "device", "is_pooling_model"))
-        ]
-        if not getattr(runner, "is_pooling_model", True):
-            needed += [
-                (runner, ("max_num_tokens", "model_config", "_get_prompt_logprobs_dict")),
-                (getattr(runner, "sampler", None), ("compute_logprobs", "gather_logprobs")),
-                (getattr(runner, "model", None), ("compute_logits",)),
-                (LogprobsTensors, ("empty_cpu",)),
-            ]
-        for owner, names in needed:
-            missing = [name for name in names if not hasattr(owner, name)]
-            if missing:
-                raise RuntimeError(
-                    f"{WORKER_CLS}: expected vLLM's V1 model runner to compute prompt outputs "
-                    f"with {', '.join(names)} of {type_name(owner)}, found no {missing}"
-                )
-        self._runner = runner
-        self._empty = LogprobsTensors.empty_cpu
-
-    def wants(self, req_id: str) -> bool:
-        if req_id in self._runner.num_prompt_logprobs:
-            return True
-        return _embeds_tokens(self._runner.requests[req_id])
-
-    def score(self, rows: torch.Tensor, block_size: int, prompts: Sequence[ScoredPrompt]) -> None:
-        runner = self._runner
-        scored: list[ScoredPrompt] = []
-        for prompt in prompts:
-            state = runner.requests[prompt.req_id]
-            if not _embeds_tokens(state):
-                scored.append(prompt)
-                continue
-            # NOTE: the hit's rows replace whatever the list holds: a request
-            # resumed after preemption starts its rows over from its hit.
-            state.pooling_states.hidden_states_cache[:] = [
-                torch.full(
-                    (prompt.num_tokens, rows.shape[-1]),
-                    float("nan"),
-                    dtype=rows.dtype,
-                    device=runner.device,
-                )
-                if prompt.blocks is None
-                else rows[_rows_of(prompt.blocks, block_size)].to(runner.device)
-            ]
-        if scored:
-            self._logprobs(rows, block_size, scored)
-
-    def _logprobs(
-        self, rows: torch.Tensor, block_size: int, prompts: Sequence[ScoredPrompt]
-    ) -> None:
-        runner = self._runner
-        device = runner.device
-        # Per prompt: its k, its logprob tensors, its positions' targets and rows.
-        todo: list[tuple[int, Any, torch.Tensor, torch.Tensor]] = []
-        for prompt in prompts:
-            k = runner.num_prompt_logprobs[prompt.req_id]
-            state = runner.requests[prompt.req_id]
-            tensors = state.in_progress_prompt_logprobs_cpu
-            if tensors is None:
-                # NOTE: vLLM makes it in the step that computes the request's
-                # first rows (this one) only if it has none yet.
-                tensors = self._empty(len(state.prompt_token_ids) - 1, k + 1)
-                state.in_progress_prompt_logprobs_cpu = tensors
-            targets = torch.tensor(
-                state.prompt_token_ids[1 : prompt.num_tokens + 1], dtype=torch.int64
-            )
-            if prompt.blocks is None:
-                # NOTE: each position then names its prompt token alone (vLLM
-                # decodes every id it returns), with no value and no rank.
-                tensors.logprob_token_ids[: prompt.num_tokens] = targets[:, None]
-                tensors.logprobs[: prompt.num_tokens] = float("nan")
-                tensors.selected_token_ranks[: prompt.num_tokens] = -1
-                continue
-            todo.append((k, tensors, targets, _rows_of(prompt.blocks, block_size)))
-        raw = runner.model_config.logprobs_mode in ("raw_logits", "processed_logits")
-        size = max(1, int(runner.max_num_tokens))
-        for start in range(0, len(rows) if todo else 0, size):
-            stop = min(start + size, len(rows))
-            logits = runner.model.compute_logits(rows[start:stop].to(device))
-            # NOTE: prompt tokens skip the sampling processors, so vLLM's
-            # processed_* and raw_* modes give the same scores for them.
-            scores = logits.to(torch.float32) if raw else runner.sampler.compute_logprobs(logits)
-            for k, tensors, targets, row_of in todo:
-                inside = (row_of >= start) & (row_of < stop)
-                positions = inside.nonzero().flatten()
-                if not len(positions):
-                    continue
-                token_ids, logprobs, ranks, *_ = runner.sampler.gather_logprobs(
-                    scores[(row_of[positions] - start).to(device)],
-                    k,
-                    targets[positions].to(device),
-                )
-                tensors.logprob_token_ids[positions] = token_ids.to("cpu", torch.int32)
-                tensors.logprobs[positions] = logprobs.to("cpu")
-                tensors.selected_token_ranks[positions] = ranks.to("cpu", torch.int32)
-
-
-def _embeds_tokens(state: Any) -> bool:
-    """Whether a request of the runner asked for per-token embeddings."""
-    params = getattr(state, "pooling_params", None)
-    return params is not None and params.task == "token_embed"
-
-
-def _rows_of(blocks: tuple[int, ...], block_size: int) -> torch.Tensor:
-    """The rows of ``blocks`` (indices of blocks in a step's rows), position by position."""
-    first = torch.tensor(blocks, dtype=torch.int64)[:, None] * block_size
-    return (first + torch.arange(block_size)).flatten()
-
-
-# -- capture and the worker -----------------------------------------------------------
-
-
-class _Capture:
-    """Wraps the model runner's ``_model_forward``: applies each step's plan to its rows.
-
-    vLLM calls ``_model_forward`` once per forward pass, inside the forward
-    context, with the model however vLLM wrapped it (a CUDA graph wrapper
-    replays a graph without calling the module, so a forward hook on the
-    module would not see such a step). Right after it returns, in the same
-    step, the live store applies the step's plan to the rows (vLLM's output
-    buffer, read before the next replay) at the forward context's slots, in
-    the model runner's batch order (both read before the forward pass): before
-    vLLM samples the step (and scores prompt positions) or pools it, which
-    read what the store gives the hits' positions.
-    """
-
-    __slots__ = ("batch", "direct", "forward", "layer_name", "live", "num_calls", "plan", "runner")
-
-    def __init__(self, runner: Any) -> None:
-        forward = getattr(runner, "_model_forward", None)
-        if not callable(forward):
-            raise RuntimeError(
-                f"{WORKER_CLS}: expected vLLM's model runner to call the model through "
-                f"_model_forward, found {type_name(runner)} without it"
-            )
-        self.runner = runner
-        self.forward: Callable[..., Any] = forward
-        self.layer_name = ""
-        self.live: LiveStore | None = None
-        self.plan: StepPlan | None = None
-        self.num_calls = 0
-        # The model runner's input batch, and whether its ``req_ids`` is its own
-        # list ``_req_ids`` (`__call__`).
-        self.batch: Any = None
-        self.direct = False
-        runner._model_forward = self
-
-    def bind(self, layer_name: str, live: LiveStore) -> None:
-        """The layer whose slot mapping the rows follow, and the store that applies them.
-
-        Once, when the store is made. Each step then sets ``plan`` (and
-        ``num_calls`` to 0) before vLLM's ``execute_model``, and None after
-        it (`OmniWorkerMixin.execute_model`): only steps with a plan apply.
-        """
-        self.layer_name, self.live = layer_name, live
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        live, plan = self.live, self.plan
-        if live is None or plan is None:
-            return self.forward(*args, **kwargs)
-        self.num_calls += 1
-        if self.num_calls > 1:
-            raise RuntimeError(
-                f"{WORKER_CLS}: expected one forward pass per step, found {self.num_calls}"
-            )
-        # NOTE: the step's slots and batch order are read before the forward
-        # pass, where vLLM has just written them: after it, which leaves the
-        # host's caches cold, the same reads took twice as long (18 us against
-        # 9, in a decode step whose capture took about 37 us). So are a steady
-        # decode step's slot values, with every check of it that needs no
-        # rows (`LiveStore.decode_slot_values`): after it, `apply` only
-        # stages such a step.
-        mapping = get_forward_context().slot_mapping
-        if not isinstance(mapping, dict) or self.layer_name not in mapping:
-            raise RuntimeError(
-                f"{WORKER_CLS}: expected the forward context's slot mapping of layer "
-                f"{self.layer_name!r}, found {type_name(mapping)}"
-            )
-        slot_mapping = mapping[self.layer_name]
-        # NOTE: vLLM's ``InputBatch.req_ids`` is a property that casts the
-        # batch's own list (``_req_ids``, changed in place). The property and
-        # a comprehension took about half of the capture's own time: the list
-        # is read directly once ``req_ids`` is seen to be it (checked for each
-        # new input batch; otherwise the property, each step). It holds None
-        # only while vLLM updates the batch, never at a forward pass.
-        batch = self.runner.input_batch
-        if batch is not self.batch:
-            self.batch = batch
-            self.direct = getattr(batch, "_req_ids", None) is batch.req_ids
-        order = (batch._req_ids if self.direct else batch.req_ids)[: batch.num_reqs]
-        if None in order:
-            order = [req_id for req_id in order if req_id is not None]
-        values = live.decode_slot_values(plan, slot_mapping)
-        output = self.forward(*args, **kwargs)
-        rows = output[0] if isinstance(output, tuple) else output
-        if not isinstance(rows, torch.Tensor):
-            raise RuntimeError(
-                f"{WORKER_CLS}: expected the model to return hidden states, found "
-                f"{type_name(rows)} (pipeline parallelism is not supported)"
-            )
-        live.apply(plan, order, rows, slot_mapping, slot_values=values)
-        return output
 
 
 class OmniWorkerMixin:
@@ -395,11 +150,10 @@ class OmniWorkerMixin:
                 f"{type(self).__name__}: expected vLLM's V1 model runner, found the V2 model "
                 "runner (VLLM_USE_V2_MODEL_RUNNER=0 selects V1)"
             )
-        self._omni_capture: _Capture | None = None
-        self._omni_scorer: PromptOutputs | None = None
+        self._omni_capture: StepCapture | None = None
+        self._omni_logprobs: HitLogprobs | None = None
         self._omni_kv_bytes = 0
         self._omni_max_staged_bytes: int | None = None
-        self._omni_forward_first = False
 
     def determine_available_memory(self) -> int:
         """vLLM's KV cache budget, less what the store takes of the same memory.
@@ -489,8 +243,8 @@ class OmniWorkerMixin:
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)  # type: ignore[misc]
-        self._omni_capture = _Capture(self.model_runner)
-        self._omni_scorer = PromptOutputs(self.model_runner)
+        self._omni_capture = StepCapture(self.model_runner)
+        self._omni_logprobs = HitLogprobs(self.model_runner)
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
@@ -538,8 +292,8 @@ class OmniWorkerMixin:
             store,
             max_results=extra.get("max_prompt_results", DEFAULT_MAX_PROMPT_RESULTS),
             tier=tier,
-            scorer=self._omni_scorer,
-            share=None if num_ranks == 1 else _share_from_first_rank,
+            hit_logprobs=self._omni_logprobs,
+            share=None if num_ranks == 1 else share_from_first_rank,
             keeps_results=rank == 0,
             max_staged_bytes=max_staged_bytes,
         )
@@ -548,10 +302,11 @@ class OmniWorkerMixin:
             raise RuntimeError(
                 f"{type(self).__name__}: expected vLLM to load the model before its KV cache"
             )
-        self._omni_capture.bind(group.layer_names[0], self.omni_store)
-        # NOTE: on a device the staged rows a step's plan shows it will write are
-        # written before its forward pass: reading their slots waits for earlier steps only.
-        self._omni_forward_first = not self._omni_store_in_kv_budget()
+        self._omni_capture.bind(
+            group.layer_names[0],
+            self.omni_store,
+            forward_first=not self._omni_store_in_kv_budget(),
+        )
         kv_bytes = self._omni_kv_bytes = (
             kv_cache_config.num_blocks * self._omni_bytes_per_block()[0]
         )
@@ -584,20 +339,8 @@ class OmniWorkerMixin:
                 f"{type(self).__name__}: expected {CONNECTOR_NAME}'s step metadata, found "
                 f"{type_name(metadata)}"
             )
-        plan = metadata.plan
-        if self._omni_forward_first:
-            live.start_forward(plan)
-        # NOTE: the capture's attributes set here, not through a method: this
-        # runs every step, and each call is one more cold frame.
-        capture.plan, capture.num_calls = plan, 0
-        try:
-            output = super().execute_model(scheduler_output)  # type: ignore[misc]
-        finally:
-            capture.plan = None
-        if capture.num_calls == 0:
-            # NOTE: a step without a forward pass still clears, loads and finishes.
-            live.apply(plan)
-        return output
+        execute = super().execute_model  # type: ignore[misc]
+        return capture.step(metadata.plan, partial(execute, scheduler_output))
 
     # -- collective_rpc methods ------------------------------------------------------
 
@@ -607,14 +350,16 @@ class OmniWorkerMixin:
         max_bytes: int | None = None,
         num_positions: Mapping[str, int] | None = None,
     ) -> dict[str, dict[str, Any] | None]:
-        """`LiveStore.take`, encoded for vLLM's transport (`results.encode_result`).
+        """`PromptResults.take`, encoded for vLLM's transport (`prompt_results.encode_result`).
 
         NOTE: vLLM's msgpack transport from the engine core to the caller
         turns tensors into nested lists; plain bytes travel as they are.
         """
         if self.omni_store is None:
             return {}
-        taken = self.omni_store.take(requests, max_bytes=max_bytes, num_positions=num_positions)
+        taken = self.omni_store.results.take(
+            requests, max_bytes=max_bytes, num_positions=num_positions
+        )
         return {req_id: encode_result(value) for req_id, value in taken.items()}
 
     def omni_live_store_stats(self) -> dict[str, int | float]:
@@ -649,12 +394,6 @@ class OmniWorkerMixin:
             return False
         live.flush()
         return live.tier.flush(timeout_s)
-
-
-def _share_from_first_rank(rows: torch.Tensor) -> torch.Tensor:
-    """The first tensor-parallel rank's ``rows``, on every rank (in place of theirs)."""
-    shared: torch.Tensor = get_tp_group().broadcast(rows, src=0)
-    return shared
 
 
 _WORKERS = {
