@@ -17,8 +17,7 @@ import torch
 from test_vllm_integration import VLLM_MISSING
 
 from omnicache.block_hash import BlockHash
-from omnicache.integrations.vllm.plan import LoadOrder, PlannedRequest, StepPlan
-from omnicache.integrations.vllm.tier import (
+from omnicache.integrations.vllm.kv_tier import (
     TierConfig,
     TierReader,
     WorkerTier,
@@ -26,6 +25,7 @@ from omnicache.integrations.vllm.tier import (
     kv_entry_name,
     tier_config,
 )
+from omnicache.integrations.vllm.plan import LoadOrder, PlannedRequest, StepPlan
 from omnicache.store import HIDDEN_STATES, TensorStore
 
 # NOTE: the worker's module imports vLLM (it is the worker's room); its store needs no engine.

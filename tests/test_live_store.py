@@ -22,8 +22,8 @@ from omnicache.integrations.vllm.plan import (
     planned_slots,
 )
 from omnicache.integrations.vllm.staged_steps import (
-    MAX_DEFERRED_STEPS,
     MAX_STAGED_BYTES,
+    MAX_STAGED_STEPS,
     default_max_staged_bytes,
 )
 from omnicache.store import HIDDEN_STATES, TensorStore
@@ -568,8 +568,8 @@ def test_decode_steps_write_their_rows_before_anything_reads_the_store(
     decode_step: DecodeStep,
 ) -> None:
 
-    # Blocks enough for MAX_DEFERRED_STEPS more decode steps of one request.
-    live = new_live(copy_steps=copy_steps, num_blocks=8 + MAX_DEFERRED_STEPS // BS)
+    # Blocks enough for MAX_STAGED_STEPS more decode steps of one request.
+    live = new_live(copy_steps=copy_steps, num_blocks=8 + MAX_STAGED_STEPS // BS)
     # "a" decodes positions 4..7 into block 2 (completing it), "b" 0..3 into block 3.
     stamped: dict[int, BlockHash] = {}
     for step in range(BS):
@@ -604,13 +604,13 @@ def test_decode_steps_write_their_rows_before_anything_reads_the_store(
     live.apply(StepPlan(caching=True, cleared_block_ids=(3,)))
     assert live.store.filled_of(HIDDEN_STATES, 4) == 1
     assert live.store.stamp_of(HIDDEN_STATES, 3) is None
-    # At most MAX_DEFERRED_STEPS wait; flush() writes the rest.
-    for step in range(MAX_DEFERRED_STEPS + 1):
+    # At most MAX_STAGED_STEPS wait; flush() writes the rest.
+    for step in range(MAX_STAGED_STEPS + 1):
         plan = decode_step({"a": (9 + step, 2 + (9 + step) // BS)}, {})
         run_step(live, plan, ["a"], rows(step, 1), slots_of(plan, ["a"]))
-    assert live.stats.num_rows_written == 2 * BS + 1 + 1 + MAX_DEFERRED_STEPS
+    assert live.stats.num_rows_written == 2 * BS + 1 + 1 + MAX_STAGED_STEPS
     live.flush()
-    assert live.stats.num_rows_written == 2 * BS + 1 + 1 + MAX_DEFERRED_STEPS + 1
+    assert live.stats.num_rows_written == 2 * BS + 1 + 1 + MAX_STAGED_STEPS + 1
 
 
 def test_a_decode_step_with_rows_of_other_requests_is_refused_after_the_staged_rows(
@@ -766,7 +766,7 @@ def test_a_decode_step_keeps_the_slot_values_read_before_its_forward_pass(
 def test_a_decode_step_that_clears_blocks_first_writes_the_rows_staged_plans_that_old_before(
     copy_steps: bool | None,
 ) -> None:
-    # A decode step may clear blocks that no plan of the MAX_DEFERRED_STEPS before
+    # A decode step may clear blocks that no plan of the MAX_STAGED_STEPS before
     # it wrote rows to (`StepPlan.decode`): rows staged from older plans are
     # written first; the step is staged either way.
     live = new_live(copy_steps=copy_steps)
@@ -781,13 +781,13 @@ def test_a_decode_step_that_clears_blocks_first_writes_the_rows_staged_plans_tha
     assert run_step(live, plan, ["b"], rows(10, 1), slots_of(plan, ["b"])) == {}
     assert live.stats.num_rows_written == 0 and live.stats.num_cleared_blocks == 1
     assert live.store.stamp_of(HIDDEN_STATES, 5) is None
-    # Plan MAX_DEFERRED_STEPS - 1 clears block 5 again: plan 0's rows still wait.
-    plan = numbered_decode("b", 1, 2, MAX_DEFERRED_STEPS - 1, (5,))
+    # Plan MAX_STAGED_STEPS - 1 clears block 5 again: plan 0's rows still wait.
+    plan = numbered_decode("b", 1, 2, MAX_STAGED_STEPS - 1, (5,))
     assert run_step(live, plan, ["b"], rows(11, 1), slots_of(plan, ["b"])) == {}
     assert live.stats.num_rows_written == 0
-    # Plan MAX_DEFERRED_STEPS clears block 1, which plan 0 wrote: the staged rows
+    # Plan MAX_STAGED_STEPS clears block 1, which plan 0 wrote: the staged rows
     # are written first (block 1 stamped), then block 1 is cleared.
-    plan = numbered_decode("b", 2, 2, MAX_DEFERRED_STEPS, (1,))
+    plan = numbered_decode("b", 2, 2, MAX_STAGED_STEPS, (1,))
     assert run_step(live, plan, ["b"], rows(12, 1), slots_of(plan, ["b"])) == {}
     assert live.stats.num_rows_written == BS + 2 and live.stats.num_cleared_blocks == 3
     assert live.store.stamp_of(HIDDEN_STATES, 1) is None
@@ -990,7 +990,7 @@ def test_start_forward_writes_before_the_forward_pass_the_staged_rows_apply_woul
 ) -> None:
 
     row_bytes = HIDDEN * 4  # float32
-    num_blocks = 4 + MAX_DEFERRED_STEPS // BS
+    num_blocks = 4 + MAX_STAGED_STEPS // BS
 
     # The bytes bound: "a" decodes block 1; the fourth row would take the staged
     # rows past 3 rows. A store told before each forward pass (as on a GPU)
@@ -1033,20 +1033,20 @@ def test_start_forward_writes_before_the_forward_pass_the_staged_rows_apply_woul
     want = torch.cat([rows(0, BS), rows(50 + BS, BS), rows(90, 1)])
     assert torch.equal(got, want)  # type: ignore[arg-type]
     assert first.stats.num_stale_hit_blocks == 0
-    # The count bound: before the step that would be the MAX_DEFERRED_STEPS-th
+    # The count bound: before the step that would be the MAX_STAGED_STEPS-th
     # staged, the others are written, and it waits.
     live = new_live(copy_steps=copy_steps, num_blocks=num_blocks)
-    for step in range(MAX_DEFERRED_STEPS):
+    for step in range(MAX_STAGED_STEPS):
         position = BS + step
         plan = decode_step({"a": (position, 1 + position // BS)}, {})
         live.start_forward(plan)
         run_step(live, plan, ["a"], rows(step, 1), slots_of(plan, ["a"]))
-    assert live.stats.num_rows_written == MAX_DEFERRED_STEPS - 1
+    assert live.stats.num_rows_written == MAX_STAGED_STEPS - 1
     # Twice for one plan: the second does nothing.
     live.start_forward(plan)
-    assert live.stats.num_rows_written == MAX_DEFERRED_STEPS - 1
+    assert live.stats.num_rows_written == MAX_STAGED_STEPS - 1
     live.flush()
-    assert live.stats.num_rows_written == MAX_DEFERRED_STEPS
+    assert live.stats.num_rows_written == MAX_STAGED_STEPS
     assert live.stats.num_slot_mismatches == 0
 
 
@@ -1403,15 +1403,15 @@ def test_a_step_computed_where_staged_rows_are_is_refused_before_it_writes_them(
     with pytest.raises(RuntimeError, match=refused):
         run_step(live, plans[2], ["a"], first, slots_of(plans[2], ["a"]))
     assert live.flush() == {} and live.stats.num_rows_written == 0
-    # A write a decode step's clears force (rows staged MAX_DEFERRED_STEPS plans
+    # A write a decode step's clears force (rows staged MAX_STAGED_STEPS plans
     # before it): refused before anything is cleared.
     live = new_live(copy_steps=None)
     live.store.write(HIDDEN_STATES, rows(50, BS), list(range(5 * BS, 6 * BS)), block_keys={5: K[5]})
-    for number, buffer in ((0, first), (1, second), (MAX_DEFERRED_STEPS, first)):
-        clears = (5,) if number == MAX_DEFERRED_STEPS else ()
+    for number, buffer in ((0, first), (1, second), (MAX_STAGED_STEPS, first)):
+        clears = (5,) if number == MAX_STAGED_STEPS else ()
         plan = numbered_decode("a", number % BS, 1, number, clears)
         buffer.copy_(rows(number, 1))
-        if number < MAX_DEFERRED_STEPS:
+        if number < MAX_STAGED_STEPS:
             assert run_step(live, plan, ["a"], buffer, slots_of(plan, ["a"])) == {}
             continue
         with pytest.raises(RuntimeError, match=refused):
@@ -1420,8 +1420,8 @@ def test_a_step_computed_where_staged_rows_are_is_refused_before_it_writes_them(
     assert live.store.stamp_of(HIDDEN_STATES, 5) == K[5]
     # With other memory for each step's rows, the same steps are written.
     live = new_live(copy_steps=None)
-    for number in (0, 1, MAX_DEFERRED_STEPS):
-        clears = (5,) if number == MAX_DEFERRED_STEPS else ()
+    for number in (0, 1, MAX_STAGED_STEPS):
+        clears = (5,) if number == MAX_STAGED_STEPS else ()
         plan = numbered_decode("a", number % BS, 1, number, clears)
         assert run_step(live, plan, ["a"], third + number, slots_of(plan, ["a"])) == {}
     assert live.stats.num_rows_written == 2 and live.stats.num_cleared_blocks == 1

@@ -24,7 +24,7 @@ from omnicache.integrations.vllm import OmniKVCacheManager
 if TYPE_CHECKING:
     from redis_server import RedisServer
 
-    from omnicache.integrations.vllm.tier import TierReader
+    from omnicache.integrations.vllm.kv_tier import TierReader
 
 pytestmark = integration.needs_vllm
 
@@ -34,7 +34,7 @@ PROMPT = list(range(1, 3 * BS + 5))  # 3 full blocks, then 4 tokens
 
 def holds(num_blocks: int) -> TierReader:
     """A reader whose tier holds the first ``num_blocks`` of any chain (the last test: Redis)."""
-    from omnicache.integrations.vllm.tier import TierConfig, TierReader
+    from omnicache.integrations.vllm.kv_tier import TierConfig, TierReader
 
     class Holds(TierReader):
         def held(self, keys: Any) -> int:
@@ -165,7 +165,7 @@ def test_external_tokens_in_whole_blocks_the_lookup_found_or_an_error() -> None:
 def test_the_lookup_asks_redis_once_per_waiting_request(redis_server: RedisServer) -> None:
     import torch
 
-    from omnicache.integrations.vllm.tier import TierConfig, TierReader, WorkerTier
+    from omnicache.integrations.vllm.kv_tier import TierConfig, TierReader, WorkerTier
     from omnicache.store import HIDDEN_STATES, TensorStore
 
     namespace = "mirror-loads"

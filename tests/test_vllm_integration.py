@@ -41,7 +41,7 @@ from omnicache.integrations.vllm import (
     multi_modal_uuids,
 )
 from omnicache.integrations.vllm.block_hasher import prompt_embeds_digest
-from omnicache.integrations.vllm.plan import MAX_DEFERRED_STEPS, StepPlan
+from omnicache.integrations.vllm.plan import MAX_STAGED_STEPS, StepPlan
 from omnicache.store import StaleBlockError
 
 
@@ -860,7 +860,7 @@ def test_chunked_prefill_and_decode_stamp_blocks_as_they_fill() -> None:
 
 
 @needs_vllm
-@pytest.mark.parametrize("idle_steps", [0, MAX_DEFERRED_STEPS])
+@pytest.mark.parametrize("idle_steps", [0, MAX_STAGED_STEPS])
 def test_a_decode_step_that_clears_a_block_no_recent_plan_wrote_to_stays_a_decode_step(
     idle_steps: int,
 ) -> None:
@@ -888,11 +888,11 @@ def test_a_decode_step_that_clears_a_block_no_recent_plan_wrote_to_stays_a_decod
     number = 2 + idle_steps
     assert cleared[:3] == [(0, (1,), False), (1 + idle_steps, (2,), False), (number, (3,), True)]
     assert [plan.number for plan in plans] == list(range(len(plans)))
-    # Block 1 was written by plan 0: a plan within the MAX_DEFERRED_STEPS after
+    # Block 1 was written by plan 0: a plan within the MAX_STAGED_STEPS after
     # it may find its rows still staged, and is no steady decode step (the
     # worker resolves its staged steps and checks them); a later one is.
     (again,) = cleared[3:]
-    assert again == (number + 16, (1,), number + 16 >= MAX_DEFERRED_STEPS)
+    assert again == (number + 16, (1,), number + 16 >= MAX_STAGED_STEPS)
     # Either way: block 1 holds "b"'s two rows, unstamped; blocks 2 and 3 "b"'s keys.
     assert h.stamps([1, 2, 3]) == ([None, second.block_hashes[0], second.block_hashes[1]],) * 2
     assert h.live.stats.num_decode_steps == (18 if idle_steps else 17)

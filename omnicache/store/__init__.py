@@ -51,7 +51,7 @@ deferred ones, all or nothing. A commit whose rows would land in a block that
 changed hands since they were staged (handed out again, or written by another
 request's step), or in another block than `write_step` staged them for, is
 refused with `StaleCommitError` and counted, never written (see
-`omnicache.store.staging`).
+`omnicache.store.deferred_rows`).
 
 A merged read serves exactly or refuses: a request with hit blocks starts
 right after them (``num_computed_tokens == len(hit_block_ids) *
@@ -73,10 +73,10 @@ Modules, one idea each (the store's API is what this package exports):
                   results, counters, errors
     tensor_store  TensorStore: owns entries and counters, checks arguments
                   and delegates; construction, entries, inspection, writes
-    staging       rows of deferred entries, kept per request until commit,
+    deferred_rows rows of deferred entries, kept per request until commit,
                   and TensorStore's methods for them
     reads         block reads and merged reads, and TensorStore's read methods
-    tier          the BlockTier interface, and the bridge to a tier
+    block_tier    the BlockTier interface, and the bridge to a tier
     writes        applying a checked write
     fill          the fill rule and the stamp rule, each written once
     copies        moving rows, and waiting for asynchronous copies
@@ -86,6 +86,7 @@ Modules, one idea each (the store's API is what this package exports):
     blocks        block ids, block keys and a step's requests, checked
 """
 
+from omnicache.store.block_tier import BlockTier, TierBlock
 from omnicache.store.specs import (
     HIDDEN_STATES,
     EntrySpec,
@@ -99,7 +100,6 @@ from omnicache.store.specs import (
     WriteResult,
 )
 from omnicache.store.tensor_store import TensorStore
-from omnicache.store.tier import BlockTier, TierBlock
 
 __all__ = [
     "HIDDEN_STATES",

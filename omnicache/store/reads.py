@@ -15,8 +15,10 @@ import torch
 from omnicache.block_hash import BlockHash
 from omnicache.checks import check_int
 from omnicache.store import outputs as step_outputs
+from omnicache.store.block_tier import BlockTier, TierBridge
 from omnicache.store.blocks import hit_block_list, hit_blocks, request_spans
 from omnicache.store.copies import gather_blocks, sync, widen_pair
+from omnicache.store.deferred_rows import DeferredRows
 from omnicache.store.entries import (
     Entry,
     Layout,
@@ -34,8 +36,6 @@ from omnicache.store.specs import (
     StaleBlockError,
     StoreStats,
 )
-from omnicache.store.staging import Staging
-from omnicache.store.tier import BlockTier, TierBridge
 
 
 def num_valid(
@@ -318,7 +318,7 @@ class ReadMethods:
     _entries: dict[str, Entry]
     _reader: Reader
     _bridge: TierBridge
-    _staging: Staging
+    _deferred: DeferredRows
 
     def probe(
         self,
@@ -398,7 +398,7 @@ class ReadMethods:
         tier = self.tier
         if tier is None or not len(ids) or not entries:
             return 0
-        self._staging.handed_out(ids)
+        self._deferred.handed_out(ids)
         return self._bridge.read_through(tier, entries, self._entries.values(), ids, block_keys)
 
     def new_read_buffers(

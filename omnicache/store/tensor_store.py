@@ -13,6 +13,7 @@ from omnicache.block_hash import BlockHash
 from omnicache.checks import check_optional_int
 from omnicache.store import outputs as step_outputs
 from omnicache.store import slots as slot_cuts
+from omnicache.store.block_tier import BlockTier, TierBridge, check_tier
 from omnicache.store.blocks import (
     block_id_array,
     check_block_id,
@@ -21,6 +22,7 @@ from omnicache.store.blocks import (
     small_block_ids,
 )
 from omnicache.store.copies import sync
+from omnicache.store.deferred_rows import Chunk, DeferredMethods, DeferredRows
 from omnicache.store.entries import (
     Entry,
     check_capacity,
@@ -40,8 +42,6 @@ from omnicache.store.specs import (
     WriteResult,
     describe,
 )
-from omnicache.store.staging import Chunk, DeferredMethods, Staging
-from omnicache.store.tier import BlockTier, TierBridge, check_tier
 from omnicache.store.writes import Writer
 
 
@@ -59,7 +59,7 @@ class TensorStore(DeferredMethods, ReadMethods):
 
     Writes and inspection are defined here; the methods for deferred entries
     (`stage` .. `discard`) and reads (`probe` .. `read_merged`) in
-    `staging.DeferredMethods` and `reads.ReadMethods`.
+    `deferred_rows.DeferredMethods` and `reads.ReadMethods`.
 
     Args:
         num_blocks: Number of blocks, as in the block pool.
@@ -110,7 +110,7 @@ class TensorStore(DeferredMethods, ReadMethods):
         self._bridge = bridge
         self._writer = Writer(layout, self._stats, bridge)
         self._reader = Reader(layout, self._stats)
-        self._staging = Staging(layout, self._stats)
+        self._deferred = DeferredRows(layout, self._stats)
         # Names of outputs whose unplaced rows were logged (once per name).
         self._logged_unplaced: set[str] = set()
         if hidden_size is not None and hidden_dtype is not None:
@@ -207,7 +207,7 @@ class TensorStore(DeferredMethods, ReadMethods):
         Chunks are in staging order; the rows are the store's copies, to be
         read, not written.
         """
-        return self._staging.staged_rows()
+        return self._deferred.staged_rows()
 
     # -- block pool ----------------------------------------------------------
 
@@ -240,7 +240,7 @@ class TensorStore(DeferredMethods, ReadMethods):
             if entry.stamps[block_id] is not None:
                 self._stats.num_evicted_stamps += 1
         clear_blocks(self._entries.values(), block_id)
-        self._staging.handed_out(block_id)
+        self._deferred.handed_out(block_id)
 
     def invalidate(self, block_ids: Iterable[int]) -> None:
         """Clears stamps and fill counts of ``block_ids`` for every entry.
@@ -253,7 +253,7 @@ class TensorStore(DeferredMethods, ReadMethods):
         if ids is None:
             ids = block_id_array("block_ids", given, self.num_blocks, distinct=False)
         clear_blocks(self._entries.values(), ids)
-        self._staging.handed_out(ids)
+        self._deferred.handed_out(ids)
 
     def invalidate_all(self) -> None:
         """Clears every stamp and fill count.
@@ -264,7 +264,7 @@ class TensorStore(DeferredMethods, ReadMethods):
         them).
         """
         clear_blocks(self._entries.values(), slice(None))
-        self._staging.handed_out_all()
+        self._deferred.handed_out_all()
 
     # -- writes -------------------------------------------------------------
 
@@ -435,7 +435,7 @@ class TensorStore(DeferredMethods, ReadMethods):
         # NOTE: whose blocks these are matters only to deferred rows; a store
         # without deferred entries spares every step the bookkeeping.
         tracked = any(entry.spec.deferred for entry in self._entries.values())
-        self._staging.stage_step(deferred, requests, spans, segs.slots if tracked else None)
+        self._deferred.stage_step(deferred, requests, spans, segs.slots if tracked else None)
         return results
 
     def synchronize(self) -> None:

@@ -13,12 +13,12 @@ import numpy as np
 import torch
 
 from omnicache.block_hash import BlockHash
+from omnicache.store.block_tier import BlockTier, TierBridge
 from omnicache.store.copies import copy_rows, copy_small_rows
 from omnicache.store.entries import Entry, Layout
 from omnicache.store.fill import fill_after, stamp_rule
 from omnicache.store.slots import Segments, SmallSegments, as_segments
 from omnicache.store.specs import StoreStats, WriteResult
-from omnicache.store.tier import BlockTier, TierBridge
 
 
 class Writer:

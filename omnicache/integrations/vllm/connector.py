@@ -67,6 +67,7 @@ from omnicache.integrations.vllm.common import (
     SCHEDULER_CLS,
     vllm_series,
 )
+from omnicache.integrations.vllm.kv_tier import TierConfig, tier_config
 from omnicache.integrations.vllm.plan import (
     EXTERNAL_TOKENS_PARAM,
     NUM_POSITIONS_PARAM,
@@ -78,7 +79,6 @@ from omnicache.integrations.vllm.plan import (
     asks,
     uncached_plan,
 )
-from omnicache.integrations.vllm.tier import TierConfig, tier_config
 
 vllm_series()  # vLLM imports this module by name: fail here, with the install hint.
 

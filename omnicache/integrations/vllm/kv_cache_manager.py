@@ -47,8 +47,8 @@ from omnicache.integrations.vllm.block_tables import (
     group_keys,
 )
 from omnicache.integrations.vllm.common import require_vllm
+from omnicache.integrations.vllm.kv_tier import TierReader
 from omnicache.integrations.vllm.mirror import StoreMirror
-from omnicache.integrations.vllm.tier import TierReader
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager

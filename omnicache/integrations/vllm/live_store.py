@@ -54,6 +54,7 @@ from omnicache.block_hash import BlockHash
 from omnicache.checks import check_int, type_name
 from omnicache.integrations.vllm.common import CONNECTOR_NAME
 from omnicache.integrations.vllm.hits import HitLogprobs, HitReader
+from omnicache.integrations.vllm.kv_tier import WorkerTier
 from omnicache.integrations.vllm.plan import (
     PlannedRequest,
     StepPlan,
@@ -62,13 +63,12 @@ from omnicache.integrations.vllm.plan import (
 )
 from omnicache.integrations.vllm.prompt_results import PromptResults
 from omnicache.integrations.vllm.staged_steps import (
-    MAX_DEFERRED_STEPS,
     MAX_STAGED_BYTES,
+    MAX_STAGED_STEPS,
     StagedSteps,
     staged_slots,
     write_staged,
 )
-from omnicache.integrations.vllm.tier import WorkerTier
 from omnicache.store import HIDDEN_STATES, TensorStore
 
 __all__ = ["FOLLOWER_DTYPE", "LiveStore", "LiveStoreStats", "follower_store"]
@@ -242,11 +242,11 @@ class LiveStore:
         staged = self._staged
         if plan.decode:
             # NOTE: such a plan asks for nothing, and clears no block that rows
-            # of the `MAX_DEFERRED_STEPS` plans before it were written to
+            # of the `MAX_STAGED_STEPS` plans before it were written to
             # (`StepPlan.decode`): only staged rows of older plans are written
             # first, and the staged decode steps need not be resolved.
             if plan.cleared_block_ids:
-                if staged.holds_plan_up_to(plan.number - MAX_DEFERRED_STEPS):
+                if staged.holds_plan_up_to(plan.number - MAX_STAGED_STEPS):
                     self._flushed.update(self._write_pending(rows))
                 self._clear(plan.cleared_block_ids)
             return

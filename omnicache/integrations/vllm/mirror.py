@@ -35,7 +35,7 @@ not the planned ones) costs a counted stale hit, never wrong rows.
 
 The mirror also numbers the plans (`StepPlan.number`) and keeps, per block,
 the number of the last plan that wrote rows to it: a steady decode step may
-clear blocks that no plan of the `plan.MAX_DEFERRED_STEPS` before it wrote
+clear blocks that no plan of the `plan.MAX_STAGED_STEPS` before it wrote
 to (`StepPlan.decode`), since the worker holds no rows staged for them but
 from plans that old, which it writes first. Most blocks vLLM hands out are
 either new or cached long before, so the steps where a request starts a
@@ -56,16 +56,16 @@ from typing import Any
 
 from omnicache.block_hash import BlockHash
 from omnicache.integrations.vllm.block_tables import RequestState, WorkerTable
+from omnicache.integrations.vllm.kv_tier import TierReader
 from omnicache.integrations.vllm.plan import (
     EXTERNAL_TOKENS_PARAM,
-    MAX_DEFERRED_STEPS,
+    MAX_STAGED_STEPS,
     LoadOrder,
     PlannedRequest,
     StepPlan,
     prompt_requests,
     scheduled,
 )
-from omnicache.integrations.vllm.tier import TierReader
 
 __all__ = ["StoreMirror"]
 
@@ -115,10 +115,10 @@ class StoreMirror:
         self._reset = False
         # Per block, the number of the last plan that wrote rows to it (an
         # allocation), and whether a block handed out again in the step being
-        # scheduled was written by one of the `MAX_DEFERRED_STEPS` plans before
+        # scheduled was written by one of the `MAX_STAGED_STEPS` plans before
         # it: the worker may still hold those rows staged (`StepPlan.decode`).
         self._num_plans = 0
-        self._written_at = [-MAX_DEFERRED_STEPS] * self._table.num_blocks
+        self._written_at = [-MAX_STAGED_STEPS] * self._table.num_blocks
         self._clears_recent = False
 
     @property
@@ -291,7 +291,7 @@ class StoreMirror:
         else:
             self.table.clear((block_id,))
             self._cleared[block_id] = None
-            if self._written_at[block_id] + MAX_DEFERRED_STEPS > self._num_plans:
+            if self._written_at[block_id] + MAX_STAGED_STEPS > self._num_plans:
                 self._clears_recent = True
 
     def on_loaded(
@@ -326,7 +326,7 @@ class StoreMirror:
         written without keys, and none of its blocks keeps a stamp. A step
         of one decode token a request, each in its allocated block and
         without a hit, that loads and asks for nothing, and clears only
-        blocks no plan of the last `MAX_DEFERRED_STEPS` wrote rows to, is
+        blocks no plan of the last `MAX_STAGED_STEPS` wrote rows to, is
         marked as one (`StepPlan.decode`): the worker stages it by its plan
         alone.
         """

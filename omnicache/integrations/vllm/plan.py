@@ -22,7 +22,7 @@ from omnicache.integrations.vllm.common import wants_hidden_states
 
 __all__ = [
     "EXTERNAL_TOKENS_PARAM",
-    "MAX_DEFERRED_STEPS",
+    "MAX_STAGED_STEPS",
     "NUM_POSITIONS_PARAM",
     "REQUEST_ID_PARAM",
     "RESULT_KEY_PARAM",
@@ -49,7 +49,7 @@ states gets: its tokens but the last, as the engine ended it."""
 EXTERNAL_TOKENS_PARAM = "omnicache_external_tokens"
 """The ``kv_transfer_params`` key of the tokens a request's first admission loaded from the tier."""
 
-MAX_DEFERRED_STEPS = 256
+MAX_STAGED_STEPS = 256
 """The most steps whose rows wait to be written together (the worker's `LiveStore`).
 
 A write's cost is mostly its fixed part (about 1 ms on a 2-core host for 4
@@ -143,7 +143,7 @@ class StepPlan:
     # A steady decode step (`mirror.StoreMirror` marks them): every request
     # computes one token in its one planned block, none has a hit, the plan
     # resets, invalidates, loads and asks for nothing, and it clears only
-    # blocks that no plan of the `MAX_DEFERRED_STEPS` before it (``number``)
+    # blocks that no plan of the `MAX_STAGED_STEPS` before it (``number``)
     # wrote rows to. The worker stages such a step by its plan without
     # reading its requests (`staged_steps.Staged`): right after the forward
     # pass, reading them took a quarter of what the worker's store did for a

@@ -49,8 +49,8 @@ from omnicache.integrations.vllm.block_hasher import RequestBlockHasher, schedul
 from omnicache.integrations.vllm.common import vllm_series
 from omnicache.integrations.vllm.connector import OmniStoreConnector
 from omnicache.integrations.vllm.kv_cache_manager import OmniKVCacheManager
+from omnicache.integrations.vllm.kv_tier import tier_reader
 from omnicache.integrations.vllm.mirror import StoreMirror
-from omnicache.integrations.vllm.tier import tier_reader
 
 _SERIES = vllm_series()  # vLLM imports this module by name: fail here, with the install hint.
 

@@ -9,7 +9,7 @@ in no block a staged step or the step itself writes.
 
 A steady decode step (`StepPlan.decode`: one token of each request in its
 planned block, no hit, nothing loaded or asked, and only blocks cleared
-that no plan of the `MAX_DEFERRED_STEPS` before it wrote rows to) is staged
+that no plan of the `MAX_STAGED_STEPS` before it wrote rows to) is staged
 by its plan alone: its slots and blocks are found later (`StagedSteps.resolve`),
 in one loop over every such step, before anything reads the staged steps
 (a step that is not one, or their write), by `staged_slots` as any staged
@@ -36,7 +36,7 @@ is refused before anything writes them, `StagedSteps.fresh_rows`).
 
 They wait until a step that loads, invalidates, or reads or clears a block
 holding staged rows (a steady decode step's clears: rows of plans
-`MAX_DEFERRED_STEPS` before it or older), or until `MAX_DEFERRED_STEPS` of
+`MAX_STAGED_STEPS` before it or older), or until `MAX_STAGED_STEPS` of
 them wait or one more step's rows would take more than
 ``max_staged_bytes`` (a step whose rows alone would is written at once,
 and so is one of more than `MAX_HOST_STEP_BYTES` on the CPU). Then they
@@ -61,7 +61,7 @@ import torch
 from omnicache.block_hash import BlockHash
 from omnicache.checks import check_int
 from omnicache.integrations.vllm.plan import (
-    MAX_DEFERRED_STEPS,
+    MAX_STAGED_STEPS,
     StepPlan,
     batch_requests,
     planned_slots,
@@ -69,10 +69,10 @@ from omnicache.integrations.vllm.plan import (
 from omnicache.store import HIDDEN_STATES, TensorStore
 
 __all__ = [
-    "MAX_DEFERRED_STEPS",
     "MAX_FLUSH_WRITES",
     "MAX_HOST_STEP_BYTES",
     "MAX_STAGED_BYTES",
+    "MAX_STAGED_STEPS",
     "STAGED_BUDGET_SHARE",
     "StagedSteps",
     "Written",
@@ -212,7 +212,7 @@ class StagedSteps:
 
     The write rule, stated here once: the staged rows are written before a
     step whose rows would take them past ``max_bytes`` is staged
-    (`write_before`), and once `MAX_DEFERRED_STEPS` steps wait
+    (`write_before`), and once `MAX_STAGED_STEPS` steps wait
     (`write_after`); `writes_with` is both, for a step about to be staged.
     A step is staged at all only within ``max_bytes`` and, on the CPU,
     `MAX_HOST_STEP_BYTES` (`admits`). (Their other reasons to be written,
@@ -249,13 +249,12 @@ class StagedSteps:
 
     def write_after(self) -> bool:
         """Whether the staged rows are written now that a step joined them."""
-        return len(self.steps) + len(self.decode) >= MAX_DEFERRED_STEPS
+        return len(self.steps) + len(self.decode) >= MAX_STAGED_STEPS
 
     def writes_with(self, nbytes: int) -> bool:
         """Whether staging a step of ``nbytes`` writes the staged rows, before or after it."""
         return (
-            self.write_before(nbytes)
-            or len(self.steps) + len(self.decode) + 1 >= MAX_DEFERRED_STEPS
+            self.write_before(nbytes) or len(self.steps) + len(self.decode) + 1 >= MAX_STAGED_STEPS
         )
 
     def add(

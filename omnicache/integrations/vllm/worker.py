@@ -83,10 +83,10 @@ from omnicache.integrations.vllm.common import (
 )
 from omnicache.integrations.vllm.connector import OmniStepMetadata, OmniStoreConnector
 from omnicache.integrations.vllm.hits import HitLogprobs, share_from_first_rank
+from omnicache.integrations.vllm.kv_tier import WorkerTier
 from omnicache.integrations.vllm.live_store import FOLLOWER_DTYPE, LiveStore, follower_store
 from omnicache.integrations.vllm.prompt_results import encode_result
 from omnicache.integrations.vllm.staged_steps import default_max_staged_bytes
-from omnicache.integrations.vllm.tier import WorkerTier
 from omnicache.store import TensorStore
 
 vllm_series()  # vLLM imports this module by name: fail here, with the install hint.

@@ -57,8 +57,8 @@ __all__ = [
     "TIER_URL",
     "TierConfig",
     "TierReader",
-    "TierStats",
     "WorkerTier",
+    "WorkerTierStats",
     "entry_names",
     "entry_specs",
     "kv_entry_name",
@@ -252,7 +252,7 @@ def entry_names(layer_names: Iterable[str], num_ranks: int = 1) -> list[str]:
 
 
 @dataclass(slots=True)
-class TierStats:
+class WorkerTierStats:
     """Counters of a worker's tier since it was attached."""
 
     num_load_requests: int = 0
@@ -330,7 +330,7 @@ class WorkerTier:
         specs = entry_specs(hidden.row_shape[0], hidden.dtype, kv_shapes, kv_dtype, rank, num_ranks)
         self.entries = tuple(specs if self.keeps_rows else specs[1:])
         self.tier = RedisTier.from_url(config.url, namespace=config.namespace, prefix=config.prefix)
-        self.stats = TierStats()
+        self.stats = WorkerTierStats()
 
     def load(self, store: TensorStore, order: LoadOrder) -> int:
         """Fetches ``order``'s blocks and fills the leading ones that verify; how many it filled.

@@ -38,6 +38,7 @@ import torch
 from omnicache.block_hash import BlockHash
 from omnicache.checks import check_int, check_str, type_name
 from omnicache.store import outputs as step_outputs
+from omnicache.store.block_tier import BlockTier
 from omnicache.store.blocks import block_id_array, check_block_keys, request_spans
 from omnicache.store.entries import Entry, Layout, check_rows, entry_named
 from omnicache.store.slots import IntArray, segments
@@ -48,7 +49,6 @@ from omnicache.store.specs import (
     WriteResult,
     merge_results,
 )
-from omnicache.store.tier import BlockTier
 from omnicache.store.writes import Writer
 
 # (first token position, rows) of one staged chunk, as `TensorStore.staged_rows` shows it.
@@ -68,7 +68,7 @@ class _Staged(NamedTuple):
     blocks: IntArray | None
 
 
-class Staging:
+class DeferredRows:
     """Staged rows by request and entry name, counted in ``stats.num_staged_bytes``."""
 
     def __init__(self, layout: Layout, stats: StoreStats) -> None:
@@ -346,7 +346,7 @@ class DeferredMethods:
 
     tier: BlockTier | None
     _entries: dict[str, Entry]
-    _staging: Staging
+    _deferred: DeferredRows
     _writer: Writer
 
     def stage(self, req_id: str, name: str, rows: torch.Tensor, *, token_start: int) -> None:
@@ -355,7 +355,7 @@ class DeferredMethods:
         The rows are copied on their own device (the model may reuse its
         output buffers); `commit` writes them, `discard` drops them.
         """
-        self._staging.stage(entry_named(self._entries, name), req_id, rows, token_start)
+        self._deferred.stage(entry_named(self._entries, name), req_id, rows, token_start)
 
     def stage_outputs(
         self,
@@ -373,11 +373,11 @@ class DeferredMethods:
         spans = request_spans(requests)
         total = spans[-1][1] if spans else 0
         todo = step_outputs.deferred_outputs(self._entries, outputs, total)
-        self._staging.stage_step(todo, requests, spans, None)
+        self._deferred.stage_step(todo, requests, spans, None)
 
     def has_staged(self, req_id: str) -> bool:
         """Whether ``req_id`` has rows waiting for `commit`."""
-        return self._staging.has_staged(req_id)
+        return self._deferred.has_staged(req_id)
 
     def commit(
         self,
@@ -389,7 +389,7 @@ class DeferredMethods:
 
         Call it before the request's block table is released. A table whose
         blocks changed hands since the rows were staged is refused (see
-        `omnicache.store.staging`), never written.
+        `omnicache.store.deferred_rows`), never written.
 
         Args:
             req_id: A request with staged rows (`has_staged`).
@@ -410,7 +410,7 @@ class DeferredMethods:
                 ``num_refused_commits``; nothing is written and the rows stay
                 staged, for `discard`.
         """
-        return self._staging.commit(
+        return self._deferred.commit(
             self._writer, self._entries, req_id, block_ids, block_keys, self.tier
         )
 
@@ -423,4 +423,4 @@ class DeferredMethods:
         Raises:
             ValueError: ``req_id`` has nothing staged.
         """
-        return self._staging.discard(req_id)
+        return self._deferred.discard(req_id)
