@@ -12,7 +12,8 @@ with prefix caching on, the `OmniScheduler`.
 
 - After the model loads, the model runner's ``_model_forward`` (vLLM's
   override point for the forward pass, which calls the model however it is
-  wrapped, CUDA graphs included) is wrapped to take each step's output: the
+  wrapped, CUDA graphs included) is wrapped (`StepCapture`, which runs each
+  of the worker's steps) to take each step's output: the
   final hidden states, before the LM head, one row per scheduled token
   (padding after them), with the forward context's slot mapping of the KV
   cache group (the slots the attention layers wrote the step's keys and
@@ -29,8 +30,8 @@ with prefix caching on, the `OmniScheduler`.
 - Right after the forward pass, inside ``_model_forward`` (before vLLM
   samples or pools the step), `LiveStore.apply` clears the stamps of blocks
   vLLM handed out again, writes the rows, verifies the step's hits, gives
-  the hits' positions their outputs (prompt hidden states, prompt logprobs,
-  per-token embeddings) and saves every block the step stamped to the tier
+  the hits' positions their outputs (`hits`: prompt hidden states, prompt
+  logprobs, per-token embeddings) and saves every block the step stamped to the tier
   (``collective_rpc(FLUSH_METHOD)`` waits until they are written). A step
   without a forward pass is applied after ``execute_model``.
 - In the connector's ``start_load_kv`` (which vLLM calls after the forward
@@ -42,11 +43,9 @@ How `LiveStore` applies a step's plan: `omnicache.integrations.vllm.live_store`.
 Results are taken by request id and key, the two of ``kv_transfer_params``
 (see the connector), with the worker's ``omni_take_prompt_hidden_states``:
 `results.take_prompt_hidden_states` for ``LLM``, the server's route of
-`results.OmniEndpoints`. At most ``max_prompt_results`` (``kv_connector_extra_config``,
-default 256) untaken results are kept; the oldest untaken one goes first
-(``num_results_dropped``); a request that finishes before all its prompt
-positions were seen is dropped (``num_incomplete_dropped``). A request whose
-hit could not be read has a result of None (``num_prompt_failures``).
+`results.OmniEndpoints`. The worker keeps at most ``max_prompt_results``
+(``kv_connector_extra_config``, default 256) untaken results, by the rules
+of `prompt_results`.
 
 Supported: vLLM's V1 model runner (the default; the V2 model runner orders
 its batch elsewhere and is refused), one full-attention KV cache group, no
@@ -68,13 +67,14 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from omnicache.checks import check_int, type_name
-from omnicache.integrations.vllm.capture import StepCapture
 from omnicache.integrations.vllm.common import (
     CONNECTOR_NAME,
     GPU_WORKER_CLS,
@@ -85,6 +85,7 @@ from omnicache.integrations.vllm.connector import OmniStepMetadata, OmniStoreCon
 from omnicache.integrations.vllm.hits import HitLogprobs, share_from_first_rank
 from omnicache.integrations.vllm.kv_tier import WorkerTier
 from omnicache.integrations.vllm.live_store import FOLLOWER_DTYPE, LiveStore, follower_store
+from omnicache.integrations.vllm.plan import StepPlan
 from omnicache.integrations.vllm.prompt_results import encode_result
 from omnicache.integrations.vllm.staged_steps import default_max_staged_bytes
 from omnicache.store import TensorStore
@@ -99,6 +100,7 @@ from vllm.distributed.kv_transfer import (  # noqa: E402
     get_kv_transfer_group,
     has_kv_transfer_group,
 )
+from vllm.forward_context import get_forward_context  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.v1.worker.cpu_worker import CPUWorker
@@ -122,6 +124,130 @@ DEFAULT_MAX_PROMPT_RESULTS = 256
 # NOTE: vLLM's logging configuration handles its own loggers' records; the
 # sizes a user sizes the engine by belong in the engine's log.
 _ENGINE_LOG = logging.getLogger("vllm.omnicache")
+
+
+class StepCapture:
+    """Wraps the model runner's ``_model_forward``: applies each step's plan to its rows.
+
+    vLLM calls ``_model_forward`` once per forward pass, inside the forward
+    context, with the model however vLLM wrapped it (a CUDA graph wrapper
+    replays a graph without calling the module, so a forward hook on the
+    module would not see such a step). Right after it returns, in the same
+    step, the live store applies the step's plan to the rows (vLLM's output
+    buffer, read before the next replay) at the forward context's slots, in
+    the model runner's batch order (both read before the forward pass): before
+    vLLM samples the step (and scores prompt positions) or pools it, which
+    read what the store gives the hits' positions.
+    """
+
+    __slots__ = (
+        "batch",
+        "direct",
+        "forward",
+        "forward_first",
+        "layer_name",
+        "live",
+        "num_calls",
+        "plan",
+        "runner",
+    )
+
+    def __init__(self, runner: Any) -> None:
+        forward = getattr(runner, "_model_forward", None)
+        if not callable(forward):
+            raise RuntimeError(
+                f"{WORKER_CLS}: expected vLLM's model runner to call the model through "
+                f"_model_forward, found {type_name(runner)} without it"
+            )
+        self.runner = runner
+        self.forward: Callable[..., Any] = forward
+        self.forward_first = False
+        self.layer_name = ""
+        self.live: LiveStore | None = None
+        self.plan: StepPlan | None = None
+        self.num_calls = 0
+        # The model runner's input batch, and whether its ``req_ids`` is its own
+        # list ``_req_ids`` (`__call__`).
+        self.batch: Any = None
+        self.direct = False
+        runner._model_forward = self
+
+    def bind(self, layer_name: str, live: LiveStore, *, forward_first: bool) -> None:
+        """The layer whose slot mapping the rows follow, and the store that applies them.
+
+        Once, when the store is made. ``forward_first``: whether the staged
+        rows a step's plan shows it will write are written before its forward
+        pass (`LiveStore.start_forward`: on a device, where reading their
+        slots then waits for earlier steps only).
+        """
+        self.layer_name, self.live, self.forward_first = layer_name, live, forward_first
+
+    def step(self, plan: StepPlan, execute: Callable[[], Any]) -> Any:
+        """Runs one of vLLM's steps (``execute``: its ``execute_model``) under ``plan``.
+
+        Only steps with a plan apply their rows; a step without a forward
+        pass still clears, loads and finishes, after it.
+        """
+        live = self.live
+        if live is None:
+            raise RuntimeError(f"{WORKER_CLS}: a step before the store was set up")
+        if self.forward_first:
+            live.start_forward(plan)
+        self.plan, self.num_calls = plan, 0
+        try:
+            output = execute()
+        finally:
+            self.plan = None
+        if self.num_calls == 0:
+            live.apply(plan)
+        return output
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        live, plan = self.live, self.plan
+        if live is None or plan is None:
+            return self.forward(*args, **kwargs)
+        self.num_calls += 1
+        if self.num_calls > 1:
+            raise RuntimeError(
+                f"{WORKER_CLS}: expected one forward pass per step, found {self.num_calls}"
+            )
+        # NOTE: the step's slots and batch order are read before the forward
+        # pass, where vLLM has just written them: after it, which leaves the
+        # host's caches cold, the same reads took twice as long (18 us against
+        # 9, in a decode step whose capture took about 37 us). So are a steady
+        # decode step's slot values, with every check of it that needs no
+        # rows (`LiveStore.decode_slot_values`): after it, `apply` only
+        # stages such a step.
+        mapping = get_forward_context().slot_mapping
+        if not isinstance(mapping, dict) or self.layer_name not in mapping:
+            raise RuntimeError(
+                f"{WORKER_CLS}: expected the forward context's slot mapping of layer "
+                f"{self.layer_name!r}, found {type_name(mapping)}"
+            )
+        slot_mapping = mapping[self.layer_name]
+        # NOTE: vLLM's ``InputBatch.req_ids`` is a property that casts the
+        # batch's own list (``_req_ids``, changed in place). The property and
+        # a comprehension took about half of the capture's own time: the list
+        # is read directly once ``req_ids`` is seen to be it (checked for each
+        # new input batch; otherwise the property, each step). It holds None
+        # only while vLLM updates the batch, never at a forward pass.
+        batch = self.runner.input_batch
+        if batch is not self.batch:
+            self.batch = batch
+            self.direct = getattr(batch, "_req_ids", None) is batch.req_ids
+        order = (batch._req_ids if self.direct else batch.req_ids)[: batch.num_reqs]
+        if None in order:
+            order = [req_id for req_id in order if req_id is not None]
+        values = live.decode_slot_values(plan, slot_mapping)
+        output = self.forward(*args, **kwargs)
+        rows = output[0] if isinstance(output, tuple) else output
+        if not isinstance(rows, torch.Tensor):
+            raise RuntimeError(
+                f"{WORKER_CLS}: expected the model to return hidden states, found "
+                f"{type_name(rows)} (pipeline parallelism is not supported)"
+            )
+        live.apply(plan, order, rows, slot_mapping, slot_values=values)
+        return output
 
 
 class OmniWorkerMixin:
