@@ -1,9 +1,11 @@
 """omnicache: a content-addressed prefix cache for multimodal model serving.
 
-The torch-free layers (annotations, prompt annotation, block keys, block pool,
-prefix cache) are imported eagerly; the tensor store, which needs torch, is
-imported on first use of its names, so a router or a preprocessing process
-can compute keys without torch installed.
+The torch-free layers (annotations, prompt annotation, block keys) are
+imported eagerly; the tensor store, which needs torch, is imported on first
+use of its names, so a router or a preprocessing process can compute keys
+without torch installed. The reference engine's block pool and prefix cache
+(`BlockPool`, `PrefixCache`, their events and results) live in
+`omnicache.reference`, the vLLM integration in `omnicache.integrations.vllm`.
 """
 
 from __future__ import annotations
@@ -19,14 +21,6 @@ from omnicache.block_hash import (
     block_hash_hex,
     block_hash_low64,
 )
-from omnicache.block_pool import (
-    AllBlocksCleared,
-    BlockPool,
-    BlockRemoved,
-    BlockStored,
-    CacheBlock,
-)
-from omnicache.prefix_cache import PrefixCache, PrefixCacheStats, RequestBlocks
 from omnicache.preprocess import annotate_prompt
 
 if TYPE_CHECKING:
@@ -49,21 +43,13 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_BLOCK_ALGORITHM",
     "HIDDEN_STATES",
-    "AllBlocksCleared",
     "AnnotatedTokens",
     "BlockHash",
     "BlockHasher",
-    "BlockPool",
-    "BlockRemoved",
-    "BlockStored",
     "BlockTier",
-    "CacheBlock",
     "EntrySpec",
     "MergedRead",
-    "PrefixCache",
-    "PrefixCacheStats",
     "ReadMiss",
-    "RequestBlocks",
     "ScheduledRequest",
     "StaleBlockError",
     "StaleCommitError",
