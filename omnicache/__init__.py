@@ -13,14 +13,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from omnicache.annotations import AnnotatedTokens, TokenBlock, TokenRangeAnnotation
-from omnicache.block_hash import (
-    DEFAULT_BLOCK_ALGORITHM,
-    BlockHash,
-    BlockHasher,
-    block_hash_hex,
-    block_hash_low64,
-)
+from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
+from omnicache.block_hash import BlockHash, BlockHasher, block_hash_hex, block_hash_low64
 from omnicache.preprocess import annotate_prompt
 
 if TYPE_CHECKING:
@@ -41,7 +35,6 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
-    "DEFAULT_BLOCK_ALGORITHM",
     "HIDDEN_STATES",
     "AnnotatedTokens",
     "BlockHash",
@@ -57,7 +50,6 @@ __all__ = [
     "StoreStats",
     "TensorStore",
     "TierBlock",
-    "TokenBlock",
     "TokenRangeAnnotation",
     "WriteResult",
     "annotate_prompt",

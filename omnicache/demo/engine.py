@@ -39,7 +39,7 @@ from omnicache.demo.workloads import TraceRequest
 from omnicache.reference import BlockPool, PrefixCache
 from omnicache.store import BlockTier, ScheduledRequest, TensorStore
 
-__all__ = ["Served", "ServingEngine", "salt_of"]
+__all__ = ["Served", "ServingEngine"]
 
 
 def salt_of(cache_config: CacheConfig, request: TraceRequest) -> str:
