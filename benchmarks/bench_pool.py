@@ -41,7 +41,7 @@ from functools import partial
 from typing import Any
 
 from omnicache.block_hash import BlockHash
-from omnicache.block_pool import BlockPool
+from omnicache.reference import BlockPool
 
 NUM_TOKENS = 131_072
 BLOCK_SIZE = 16

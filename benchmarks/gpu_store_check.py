@@ -59,9 +59,9 @@ from typing import NamedTuple
 import torch
 
 from omnicache.block_hash import BlockHash
-from omnicache.block_pool import BlockPool
 from omnicache.integrations.vllm.live_store import LiveStore
 from omnicache.integrations.vllm.plan import PlannedRequest, StepPlan
+from omnicache.reference import BlockPool
 from omnicache.store import (
     HIDDEN_STATES,
     ReadMiss,

@@ -14,16 +14,6 @@ from typing import Literal, Protocol, get_args
 import blake3
 import xxhash
 
-__all__ = [
-    "ALGORITHMS",
-    "DEFAULT_ALGORITHM",
-    "Algorithm",
-    "Hasher",
-    "check_algorithm",
-    "digest_size",
-    "new_hasher",
-]
-
 Algorithm = Literal["blake3", "sha256", "xxh3_128"]
 ALGORITHMS: tuple[Algorithm, ...] = get_args(Algorithm)
 DEFAULT_ALGORITHM: Algorithm = "blake3"

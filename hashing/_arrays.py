@@ -12,8 +12,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["CanonicalArray", "as_canonical_array", "is_array_like", "iter_c_order_bytes"]
-
 # Non-contiguous inputs are copied slab by slab so a strided view never needs
 # a second full-size buffer; 1 MiB slabs stay in the core's L2 cache.
 _SLAB_BYTES = 1 << 20

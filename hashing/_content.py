@@ -21,18 +21,6 @@ from hashing._arrays import as_canonical_array, is_array_like, iter_c_order_byte
 from hashing._encoding import Encoder, canonical_context
 from hashing._pil import SUPPORTED_MODES, pixel_payload
 
-__all__ = [
-    "ContentHash",
-    "hash_array",
-    "hash_array_rows",
-    "hash_audio",
-    "hash_bytes",
-    "hash_content",
-    "hash_identifier",
-    "hash_image",
-    "hash_video",
-]
-
 Context = Mapping[str, object] | None
 
 _ARRAY_IMAGE_MODES = {1: "L", 2: "LA", 3: "RGB", 4: "RGBA"}

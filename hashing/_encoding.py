@@ -33,8 +33,6 @@ from typing import Any, Union
 
 from hashing._algorithms import Algorithm, Hasher, new_hasher
 
-__all__ = ["SCHEME", "ContextValue", "Encoder", "canonical_context"]
-
 SCHEME = "omnicache.content/v1"
 
 ContextValue = Union[

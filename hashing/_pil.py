@@ -30,8 +30,6 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-__all__ = ["SUPPORTED_MODES", "pixel_payload", "reference_pixel_bytes"]
-
 # Bits of a little-endian 4-byte slot that hold no band: set to 1 canonically.
 _PAD_BITS = {2: np.uint32(0x00FFFF00), 3: np.uint32(0xFF000000), 4: None}
 _SLOT_MODES = {

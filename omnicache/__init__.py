@@ -1,9 +1,11 @@
 """omnicache: a content-addressed prefix cache for multimodal model serving.
 
-The torch-free layers (annotations, prompt annotation, block keys, block pool,
-prefix cache) are imported eagerly; the tensor store, which needs torch, is
-imported on first use of its names, so a router or a preprocessing process
-can compute keys without torch installed.
+The torch-free layers (annotations, prompt annotation, block keys) are
+imported eagerly; the tensor store, which needs torch, is imported on first
+use of its names, so a router or a preprocessing process can compute keys
+without torch installed. The reference engine's block pool and prefix cache
+(`BlockPool`, `PrefixCache`, their events and results) live in
+`omnicache.reference`, the vLLM integration in `omnicache.integrations.vllm`.
 """
 
 from __future__ import annotations
@@ -11,22 +13,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from omnicache.annotations import AnnotatedTokens, TokenBlock, TokenRangeAnnotation
-from omnicache.block_hash import (
-    DEFAULT_BLOCK_ALGORITHM,
-    BlockHash,
-    BlockHasher,
-    block_hash_hex,
-    block_hash_low64,
-)
-from omnicache.block_pool import (
-    AllBlocksCleared,
-    BlockPool,
-    BlockRemoved,
-    BlockStored,
-    CacheBlock,
-)
-from omnicache.prefix_cache import PrefixCache, PrefixCacheStats, RequestBlocks
+from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
+from omnicache.block_hash import BlockHash, BlockHasher, block_hash_hex, block_hash_low64
 from omnicache.preprocess import annotate_prompt
 
 if TYPE_CHECKING:
@@ -47,23 +35,14 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
-    "DEFAULT_BLOCK_ALGORITHM",
     "HIDDEN_STATES",
-    "AllBlocksCleared",
     "AnnotatedTokens",
     "BlockHash",
     "BlockHasher",
-    "BlockPool",
-    "BlockRemoved",
-    "BlockStored",
     "BlockTier",
-    "CacheBlock",
     "EntrySpec",
     "MergedRead",
-    "PrefixCache",
-    "PrefixCacheStats",
     "ReadMiss",
-    "RequestBlocks",
     "ScheduledRequest",
     "StaleBlockError",
     "StaleCommitError",
@@ -71,7 +50,6 @@ __all__ = [
     "StoreStats",
     "TensorStore",
     "TierBlock",
-    "TokenBlock",
     "TokenRangeAnnotation",
     "WriteResult",
     "annotate_prompt",

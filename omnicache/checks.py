@@ -14,15 +14,7 @@ it must not import ``omnicache``.)
 
 from __future__ import annotations
 
-__all__ = [
-    "check_bool",
-    "check_int",
-    "check_number",
-    "check_optional_int",
-    "check_optional_str",
-    "check_str",
-    "type_name",
-]
+__all__: list[str] = []
 
 
 def type_name(value: object) -> str:

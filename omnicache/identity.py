@@ -90,9 +90,7 @@ from omnicache.media import (
 )
 
 __all__ = [
-    "FORMS",
     "IDENTITY_SCHEME",
-    "MODALITIES",
     "Item",
     "UnidentifiableItemError",
     "item_identity",

@@ -68,7 +68,6 @@ from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 __all__ = [
     "AUDIO_EXTENSIONS",
-    "DEFAULT_SERIES",
     "IMAGE_FORMATS",
     "VLLM_RULES",
     "AudioClip",
@@ -80,7 +79,6 @@ __all__ = [
     "load_audio",
     "load_image",
     "model_image",
-    "read_file",
 ]
 
 # What vLLM's server lets Pillow open (vllm/multimodal/image.py, 0.32 and 0.33).

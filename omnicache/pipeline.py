@@ -58,14 +58,7 @@ from omnicache.checks import check_int, type_name
 from omnicache.integrations.vllm.common import ALL_HIDDEN_STATES, PROMPT_HIDDEN_STATES
 from omnicache.integrations.vllm.results import take_prompt_hidden_states
 
-__all__ = [
-    "CHUNK_ROWS",
-    "RECIPE_FILE",
-    "RECIPE_SCHEME",
-    "Pipeline",
-    "PipelineOutput",
-    "TalkerRecipe",
-]
+__all__ = ["Pipeline", "PipelineOutput", "TalkerRecipe"]
 
 RECIPE_FILE = "omnicache_talker/projection.safetensors"
 """The recipe's file under the talker's model folder: ``weight``, ``bias``, and its token ids

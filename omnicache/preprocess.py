@@ -24,11 +24,7 @@ from omnicache.annotations import MAX_TOKEN_ID, AnnotatedTokens, TokenRangeAnnot
 from omnicache.identity import item_identity
 from omnicache.media import IMAGE_FORMATS, MediaError, read_file
 
-__all__ = [
-    "DEFAULT_IDENTIFIER_NAMESPACE",
-    "PlaceholderRangeLike",
-    "annotate_prompt",
-]
+__all__ = ["annotate_prompt"]
 
 DEFAULT_IDENTIFIER_NAMESPACE = "default"
 

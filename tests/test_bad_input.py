@@ -34,9 +34,9 @@ from hashing import (
 )
 from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
 from omnicache.block_hash import BlockHash, BlockHasher, block_hash_hex, block_hash_low64
-from omnicache.block_pool import BlockPool, CacheBlock
-from omnicache.prefix_cache import PrefixCache
 from omnicache.preprocess import annotate_prompt
+from omnicache.reference.block_pool import BlockPool, CacheBlock
+from omnicache.reference.prefix_cache import PrefixCache
 from omnicache.store import ScheduledRequest, StaleCommitError, StoreCapacityError, TensorStore
 
 BS = 4

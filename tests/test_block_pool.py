@@ -19,7 +19,7 @@ from hypothesis.stateful import (
 )
 
 from omnicache.block_hash import BlockHash
-from omnicache.block_pool import (
+from omnicache.reference.block_pool import (
     AllBlocksCleared,
     BlockPool,
     BlockRemoved,

@@ -42,9 +42,9 @@ from hashing import (
 )
 from omnicache.annotations import AnnotatedTokens
 from omnicache.block_hash import BlockHash, BlockHasher
-from omnicache.block_pool import BlockPool
-from omnicache.prefix_cache import PrefixCache
 from omnicache.preprocess import annotate_prompt
+from omnicache.reference.block_pool import BlockPool
+from omnicache.reference.prefix_cache import PrefixCache
 from omnicache.store import TensorStore
 
 NUM_THREADS = 8

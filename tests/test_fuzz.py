@@ -33,15 +33,15 @@ from PIL import Image
 from hashing import ALGORITHMS, ContentHash, hash_identifier
 from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
 from omnicache.block_hash import BlockHash, BlockHasher
-from omnicache.block_pool import (
+from omnicache.identity import item_identity
+from omnicache.preprocess import annotate_prompt
+from omnicache.reference.block_pool import (
     AllBlocksCleared,
     BlockPool,
     BlockRemoved,
     BlockStored,
     PoolEvent,
 )
-from omnicache.identity import item_identity
-from omnicache.preprocess import annotate_prompt
 from omnicache.store import ScheduledRequest, StaleBlockError, TensorStore
 
 __all__ = ["CHECKS", "check_annotate", "check_block_hasher", "check_pool", "check_store"]

@@ -20,9 +20,9 @@ import torch
 
 from omnicache.annotations import AnnotatedTokens
 from omnicache.block_hash import BlockHash, BlockHasher
-from omnicache.block_pool import BlockPool, BlockStored
-from omnicache.prefix_cache import PrefixCache
 from omnicache.preprocess import annotate_prompt
+from omnicache.reference.block_pool import BlockPool, BlockStored
+from omnicache.reference.prefix_cache import PrefixCache
 from omnicache.store import ReadMiss, ScheduledRequest, StaleBlockError, TensorStore
 
 BLOCK_SIZE = 4

@@ -23,8 +23,6 @@ LAYERS = [
     ["omnicache.annotations"],
     ["omnicache.preprocess"],
     ["omnicache.block_hash"],
-    ["omnicache.block_pool"],
-    ["omnicache.prefix_cache"],
     ["omnicache.store"],
     # Beside the store: it knows them only through BlockTier.
     ["omnicache.tiers"],
@@ -32,6 +30,10 @@ LAYERS = [
     ["omnicache.integrations"],
     # Stages of a multi-stage model on the engines below (thinker -> talker).
     ["omnicache.pipeline"],
+    # The reference engine: a block pool and prefix cache of omnicache's own, over
+    # the block keys. Nothing of the library imports it (the store knows a pool
+    # only by its eviction listeners), so it sits right under the demo, its user.
+    ["omnicache.reference"],
     # The demo application: drives the layers below as a user would, on its own
     # reference engine or, with --engine vllm, on a live vLLM engine.
     ["omnicache.demo"],
@@ -92,7 +94,9 @@ def test_nothing_below_the_store_imports_torch() -> None:
         "import sys\n"
         "import hashing, omnicache\n"
         "import omnicache.annotations, omnicache.preprocess, omnicache.block_hash\n"
-        "import omnicache.block_pool, omnicache.prefix_cache, omnicache.media\n"
+        "import omnicache.media\n"
+        # Above the store, but needs no torch either.
+        "import omnicache.reference\n"
         "print('torch' in sys.modules)\n"
     )
     result = subprocess.run(

@@ -9,8 +9,8 @@ from PIL import Image
 from hashing import ContentHash, hash_audio, hash_image
 from omnicache.annotations import AnnotatedTokens, TokenRangeAnnotation
 from omnicache.block_hash import BlockHash, BlockHasher
-from omnicache.block_pool import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored
-from omnicache.prefix_cache import PrefixCache, PrefixCacheStats, RequestBlocks
+from omnicache.reference.block_pool import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored
+from omnicache.reference.prefix_cache import PrefixCache, PrefixCacheStats, RequestBlocks
 
 BLOCK_SIZE = 4
 IMAGE_TOKEN = 32_000

@@ -15,7 +15,7 @@ from store_helpers import assert_same, make, rows, snapshot
 
 import omnicache
 import omnicache.store
-from omnicache.block_pool import BlockPool
+from omnicache.reference.block_pool import BlockPool
 from omnicache.store import HIDDEN_STATES, EntrySpec, StoreCapacityError, TensorStore
 from omnicache.store.blocks import SMALL_BLOCK_IDS
 

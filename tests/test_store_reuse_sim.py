@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from omnicache.block_hash import BlockHash
-from omnicache.block_pool import BlockPool, CacheBlock
+from omnicache.reference.block_pool import BlockPool, CacheBlock
 from omnicache.store import HIDDEN_STATES, ScheduledRequest, StaleBlockError, TensorStore
 
 BLOCK_SIZE = 4

@@ -9,7 +9,8 @@ reference integration. One idea per module, from the bottom up:
 - `omnicache.demo.processor`: prompts to token ids and annotated tokens.
 - `omnicache.demo.model`: the small transformer.
 - `omnicache.demo.engine`: `ServingEngine`, the reference integration of
-  `PrefixCache`, `BlockPool` and `TensorStore`.
+  the reference engine (`omnicache.reference`: `PrefixCache`, `BlockPool`)
+  and `TensorStore`.
 - `omnicache.demo.oracle`: the run loop, checked against a full recompute.
 - `omnicache.demo.plot`: the ``--plot`` figure (matplotlib, the ``plot`` extra).
 - `omnicache.demo.tiny_models`: tiny random-weight models for a live vLLM

@@ -82,7 +82,7 @@ from omnicache.media import (
 if TYPE_CHECKING:
     from omnicache.tiers.redis import RedisTier
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_MISMATCH", "EXIT_OK", "EXIT_USAGE", "main"]
+__all__ = ["main"]
 
 EXIT_OK = 0
 EXIT_MISMATCH = 1

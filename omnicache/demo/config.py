@@ -14,17 +14,7 @@ from hashing import ALGORITHMS, Algorithm
 from omnicache.block_hash import DEFAULT_BLOCK_ALGORITHM
 from omnicache.checks import check_int, check_optional_str, check_str
 
-__all__ = [
-    "AUDIO_TOKEN_ID",
-    "BOS_TOKEN_ID",
-    "END_TOKEN_ID",
-    "FIRST_WORD_ID",
-    "IMAGE_TOKEN_ID",
-    "PATCH_POOL",
-    "ROLE_TOKEN_IDS",
-    "CacheConfig",
-    "ModelConfig",
-]
+__all__ = ["CacheConfig", "ModelConfig"]
 
 # Token ids below FIRST_WORD_ID are markers; words map into the rest.
 BOS_TOKEN_ID = 1

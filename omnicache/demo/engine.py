@@ -32,15 +32,14 @@ import torch
 
 from omnicache.annotations import AnnotatedTokens
 from omnicache.block_hash import BlockHash, BlockHasher
-from omnicache.block_pool import BlockPool
 from omnicache.demo.config import CacheConfig
 from omnicache.demo.model import TinyOmniModel
 from omnicache.demo.processor import Processor, TokenizedPrompt
 from omnicache.demo.workloads import TraceRequest
-from omnicache.prefix_cache import PrefixCache
+from omnicache.reference import BlockPool, PrefixCache
 from omnicache.store import BlockTier, ScheduledRequest, TensorStore
 
-__all__ = ["Served", "ServingEngine", "salt_of"]
+__all__ = ["Served", "ServingEngine"]
 
 
 def salt_of(cache_config: CacheConfig, request: TraceRequest) -> str:

@@ -85,22 +85,7 @@ from omnicache.integrations.vllm.common import (
 )
 from omnicache.integrations.vllm.identifiers import multi_modal_uuids
 
-__all__ = [
-    "KV_BYTES_PER_TOKEN",
-    "STAGED_BYTES",
-    "WARMUP_REQUESTS",
-    "EngineRun",
-    "LiveDemoConfig",
-    "LiveReport",
-    "TracePrompts",
-    "engine_args",
-    "kv_budget",
-    "mm_limits",
-    "prefix_counters",
-    "prompt_block_keys",
-    "run_live_demo",
-    "summary_lines",
-]
+__all__ = ["LiveDemoConfig", "LiveReport", "run_live_demo"]
 
 ASK = {PROMPT_HIDDEN_STATES: True}
 # The tiny model's KV per token: 2 layers x (K, V) x 2 KV heads x 32 values x 4 bytes.

@@ -26,18 +26,7 @@ from omnicache.demo.model import TinyOmniModel
 from omnicache.demo.processor import Processor
 from omnicache.demo.workloads import Trace, TraceRequest
 
-__all__ = [
-    "ATOL",
-    "RTOL",
-    "ProgressFn",
-    "Reference",
-    "RunReport",
-    "best_hit_tokens",
-    "check_fits",
-    "compute_reference",
-    "run_cached",
-    "run_reference",
-]
+__all__ = ["ATOL", "RTOL", "RunReport", "run_cached"]
 
 ATOL = 1e-5
 RTOL = 1e-5

@@ -25,17 +25,7 @@ from matplotlib.ticker import NullLocator
 
 from omnicache.demo.oracle import RunReport
 
-__all__ = [
-    "HEIGHT_PX",
-    "WIDTH_PX",
-    "Panel",
-    "Series",
-    "SweepPlot",
-    "draw_sweep",
-    "sweep_plot",
-    "tick_labels",
-    "write_sweep_png",
-]
+__all__ = ["write_sweep_png"]
 
 WIDTH_PX = 1000
 HEIGHT_PX = 420

@@ -30,7 +30,7 @@ from omnicache.demo.workloads import ImageItem, MediaItem, Message
 from omnicache.identity import item_identity
 from omnicache.preprocess import annotate_prompt
 
-__all__ = ["PlaceholderRun", "Processor", "TokenizedPrompt"]
+__all__ = ["Processor", "TokenizedPrompt"]
 
 _WORD_RE = re.compile(r"\w+|[^\w\s]")
 # A fixed key: word ids are the same in every process and on every machine.

@@ -68,16 +68,7 @@ from omnicache.integrations.vllm.common import PROMPT_HIDDEN_STATES, require_liv
 from omnicache.integrations.vllm.results import take_prompt_hidden_states
 from omnicache.pipeline import Pipeline, PipelineOutput, TalkerRecipe
 
-__all__ = [
-    "RUN_NAMES",
-    "TALKER_TOKENS",
-    "THINKER_TOKENS",
-    "StageCounts",
-    "StagedReport",
-    "StagedRun",
-    "run_staged_demo",
-    "staged_summary_lines",
-]
+__all__ = ["StagedReport", "run_staged_demo"]
 
 THINKER_TOKENS = 8
 TALKER_TOKENS = 16

@@ -66,15 +66,9 @@ from omnicache.media import (
 )
 
 __all__ = [
-    "AUDIO_MARKER",
-    "IMAGE_MARKER",
-    "SYSTEM_PROMPT",
     "AudioItem",
     "ImageItem",
-    "MediaItem",
     "Message",
-    "Part",
-    "Role",
     "SyntheticConfig",
     "Trace",
     "TraceError",

@@ -13,7 +13,7 @@ from omnicache.checks import check_str
 from omnicache.store import EntrySpec
 from omnicache.tiers import codec
 
-__all__ = ["TierStats", "check_key_part", "decode_run", "value_key"]
+__all__ = ["TierStats"]
 
 # Characters a prefix or namespace may not hold: ':' separates the parts of a
 # value key, braces would make a Redis Cluster hash tag, whitespace breaks

@@ -61,14 +61,9 @@ __all__ = [
     "Decoded",
     "Layout",
     "Rejection",
-    "check_auth_key",
     "decode",
-    "decode_as",
-    "dtype_name",
     "encode",
-    "encode_into",
     "layout",
-    "seal",
 ]
 
 MAGIC = b"OCTB"

@@ -34,8 +34,8 @@ from typing import NamedTuple
 
 from omnicache.annotations import AnnotatedTokens
 from omnicache.block_hash import BlockHash, BlockHasher
-from omnicache.block_pool import BlockPool, CacheBlock, PoolEvent
 from omnicache.checks import check_int, type_name
+from omnicache.reference.block_pool import BlockPool, CacheBlock, PoolEvent
 
 __all__ = ["PrefixCache", "PrefixCacheStats", "RequestBlocks"]
 

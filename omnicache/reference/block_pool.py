@@ -44,16 +44,7 @@ from typing import cast
 from omnicache.block_hash import BlockHash, block_hash_hex, block_hash_low64
 from omnicache.checks import check_int, check_optional_int, type_name
 
-__all__ = [
-    "AllBlocksCleared",
-    "BlockPool",
-    "BlockRemoved",
-    "BlockStored",
-    "CacheBlock",
-    "EvictionListener",
-    "FreeBlockQueue",
-    "PoolEvent",
-]
+__all__ = ["AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "CacheBlock"]
 
 EvictionListener = Callable[[int, BlockHash], None]
 """Called as ``listener(block_id, key)`` when a block stops holding ``key``."""
