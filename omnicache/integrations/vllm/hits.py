@@ -114,7 +114,7 @@ class HitReader:
             position, rows), rows None for a hit that could not be read.
         """
         offset = 0
-        scorer = self.logprobs
+        logprobs = self.logprobs
         found: list[tuple[str, int, torch.Tensor | None]] = []
         # (request, its step rows, its hit verified, asks, scores) of those needing hit rows.
         needs: list[tuple[PlannedRequest, torch.Tensor, bool, GatheredPrompt | None, bool]] = []
@@ -132,7 +132,9 @@ class HitReader:
             limit = None if prompt is None else prompt.num_tokens
             if limit is not None and item.start >= limit:
                 prompt = None
-            scores = bool(item.hit_block_ids) and scorer is not None and scorer.wants(item.req_id)
+            scores = (
+                bool(item.hit_block_ids) and logprobs is not None and logprobs.wants(item.req_id)
+            )
             if prompt is not None and not item.hit_block_ids:
                 # NOTE: results wait in the store's memory (host memory beside a GPU)
                 # until taken, as the hits' rows do: a copy of vLLM's buffer.
@@ -220,8 +222,8 @@ class HitReader:
                 scored.append(ScoredHit(item.req_id, item.start, ids))
                 self._count_scored(item, ids is not None)
         if scored:
-            assert scorer is not None
-            scorer.score(scored_rows, bs, scored)
+            assert logprobs is not None
+            logprobs.score(scored_rows, bs, scored)
         return found
 
     def _count_scored(self, item: PlannedRequest, read: bool) -> None:

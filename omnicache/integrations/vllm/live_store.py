@@ -18,14 +18,10 @@ How `LiveStore` applies a step's plan, in the plan's order:
    cache's slots), stamped with the plan's keys when the slots are those the
    scheduler planned (otherwise written without keys: nothing stamped);
 4. ``invalidated_block_ids``;
-5. every prefix hit that starts in this step is *verified*: a hit block not
-   stamped with its key counts as stale (`LiveStoreStats.num_stale_hit_blocks`)
-   and is never served; requests that asked for their prompt's hidden states
-   get the hit blocks' rows from the store and the rest from the step's rows;
-   requests that asked for prompt logprobs get those of the hit's positions
-   computed from the hit's rows, and requests that asked for per-token
-   embeddings the hit's rows (`PromptOutputs`), before vLLM's model runner
-   computes the rest when it samples or pools the step.
+5. every prefix hit that starts in this step is verified and served
+   (`hits.HitReader`: prompt hidden states, prompt logprobs, per-token
+   embeddings from the hit's rows); the rows of prompts asked for go to
+   the results kept for callers (`prompt_results.PromptResults`).
 
 Writes come before reads because vLLM caches a block as soon as it is
 allocated: a request scheduled in the same step as the one computing a block

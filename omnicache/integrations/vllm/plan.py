@@ -145,7 +145,7 @@ class StepPlan:
     # resets, invalidates, loads and asks for nothing, and it clears only
     # blocks that no plan of the `MAX_STAGED_STEPS` before it (``number``)
     # wrote rows to. The worker stages such a step by its plan without
-    # reading its requests (`staged_steps.Staged`): right after the forward
+    # reading its requests (`staged_steps.StagedSteps`): right after the forward
     # pass, reading them took a quarter of what the worker's store did for a
     # decode step. Rows it still holds staged are in none of the cleared
     # blocks but those of plans that old, which it writes first. The
