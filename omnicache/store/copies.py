@@ -108,8 +108,8 @@ def copy_small_rows(layout: Layout, entry: Entry, rows: torch.Tensor, segs: Smal
     elif source is not None:
         index = torch.from_numpy(source[:n].astype(np.int64)).to(layout.device)
     else:
-        # NOTE: through numpy: torch.tensor of a list of ints took 4 to 5 times
-        # as long (66 us against 14 for 512 slots, 6.5 against 2.4 for 4).
+        # NOTE: through numpy: torch.tensor of a list of ints costs several
+        # times as much, for 4 slots as for 512 (benchmarks/bench_store.py).
         index = torch.from_numpy(np.array(segs.slots, dtype=np.int64))
         if not layout.on_cpu:
             index = index.to(layout.device)

@@ -44,8 +44,7 @@ def fill_after(filled: Any, offset: Any, length: Any) -> Any:
     """
     if type(offset) is int:
         # NOTE: a conditional rather than the arrays' expression: a decode
-        # step calls this once per request, and with the expression below the
-        # small-write path of 64 rows took about 10% longer.
+        # step calls this once per request, on the small-write path.
         return offset + length if offset == 0 or filled == offset else BROKEN
     return np.where((offset == 0) | (filled == offset), offset + length, BROKEN)
 

@@ -28,13 +28,10 @@ SLOT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 # Writes of at most this many rows take the small-write path: runs, fill
 # counts and stamps over Python ints, then one copy op. A decode step writes
 # one row per request, and numpy's per-call cost on such tiny arrays made the
-# general path cost several times the copy. On CPU (bf16 rows of 64 and 4096
-# values, scattered rows, whole blocks or runs of 32), warm, the small path
-# took 0.2-1.0x the general path's time up to 256 rows, 0.8-1.15x at 512 and
-# up to 1.6x at 1024. Right after a forward pass, where a live engine
-# writes, each numpy call is cold: there the small path took 0.6x the
-# general one's time for 508 rows of 1024 float32 values in runs (a flush of
-# staged decode steps).
+# general path cost several times the copy. The bound is where the small
+# path stops being faster, warm, on the CPU; right after a forward pass, where
+# a live engine writes, every numpy call is cold and the small path gains more
+# (benchmarks/bench_store.py pins both paths).
 SMALL_WRITE_MAX_ROWS = 512
 
 

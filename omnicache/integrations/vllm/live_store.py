@@ -355,11 +355,11 @@ class LiveStore:
         """The values of a steady decode step's slots, if its rows will wait as they are; else None.
 
         The worker reads them before the step's forward pass, where vLLM has
-        just written them (after it, the same read took 8 us against 5), and
+        just written them (after it, the host's caches are cold), and
         hands them to `apply`, which then only stages the step (its rows and
         these values, its plan and batch order): every check that needs no
-        rows is made here, before the forward pass, where each costs about
-        half. Such a step is a decode step (`StepPlan.decode`) while no
+        rows is made here, before the forward pass, where each costs less.
+        Such a step is a decode step (`StepPlan.decode`) while no
         prompt is being gathered, once the staged steps keep the model's rows
         themselves and their slots' values (on the CPU, unless
         ``copy_steps``: `_stage`; learned from an earlier step's rows), whose

@@ -392,8 +392,9 @@ class StoreMirror:
         # NOTE: each part built only when the step has one: most steps have
         # none, and the scheduler plans every step.
         loaded, cleared = self._loaded, self._cleared
-        # NOTE: the fields in their order, without keywords, which took about
-        # twice as long (1.4 us against 0.8, warm).
+        # NOTE: the fields in their order, without keywords: the scheduler plans
+        # every step, and keywords cost more than the rest of a decode step's
+        # plan (benchmarks/bench_vllm_wrapper.py pins the plan's cost).
         plan = StepPlan(
             True,  # caching
             tuple(requests),  # requests

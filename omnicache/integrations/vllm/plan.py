@@ -71,8 +71,8 @@ class PlannedRequest:
 
     Built by the scheduler and never changed after (as `StepPlan`). Not a
     frozen dataclass: the scheduler builds one a request every step, and a
-    frozen one took 5 times as long to build (it sets each field through
-    ``object.__setattr__``).
+    frozen one sets each field through ``object.__setattr__``, several
+    times the cost (benchmarks/bench_vllm_wrapper.py pins the plan's cost).
     """
 
     req_id: str

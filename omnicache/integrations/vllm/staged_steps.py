@@ -13,10 +13,9 @@ that no plan of the `MAX_STAGED_STEPS` before it wrote rows to) is staged
 by its plan alone: its slots and blocks are found later (`StagedSteps.resolve`),
 in one loop over every such step, before anything reads the staged steps
 (a step that is not one, or their write), by `staged_slots` as any staged
-step's. Right after the forward pass, that took about 10 of the 41 us
-`LiveStore.apply` took for a decode step of 4 requests; in that loop,
-about 1-1.5 us a step when the staged rows are written, and about 4.5 in a
-step that is not one (right after its forward pass, cold). Such a step
+step's: in one loop, later, reading a step's requests costs a fraction
+of what it costs right after its forward pass, when the host's caches are
+cold (benchmarks/bench_live_store.py pins a decode step's cost). Such a step
 that clears blocks writes first only the rows staged from plans that old
 (`StagedSteps.holds_plan_up_to`): no later staged step wrote to its cleared
 blocks, and the staged decode steps are not resolved for it.

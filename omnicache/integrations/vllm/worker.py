@@ -212,12 +212,11 @@ class StepCapture:
                 f"{WORKER_CLS}: expected one forward pass per step, found {self.num_calls}"
             )
         # NOTE: the step's slots and batch order are read before the forward
-        # pass, where vLLM has just written them: after it, which leaves the
-        # host's caches cold, the same reads took twice as long (18 us against
-        # 9, in a decode step whose capture took about 37 us). So are a steady
-        # decode step's slot values, with every check of it that needs no
-        # rows (`LiveStore.decode_slot_values`): after it, `apply` only
-        # stages such a step.
+        # pass, where vLLM has just written them: after it the host's caches
+        # are cold and every read costs more. So are a steady decode step's
+        # slot values, with every check of it that needs no rows
+        # (`LiveStore.decode_slot_values`): after it, `apply` only stages such
+        # a step (benchmarks/bench_live_store.py pins the capture's cost).
         mapping = get_forward_context().slot_mapping
         if not isinstance(mapping, dict) or self.layer_name not in mapping:
             raise RuntimeError(
@@ -226,10 +225,10 @@ class StepCapture:
             )
         slot_mapping = mapping[self.layer_name]
         # NOTE: vLLM's ``InputBatch.req_ids`` is a property that casts the
-        # batch's own list (``_req_ids``, changed in place). The property and
-        # a comprehension took about half of the capture's own time: the list
-        # is read directly once ``req_ids`` is seen to be it (checked for each
-        # new input batch; otherwise the property, each step). It holds None
+        # batch's own list (``_req_ids``, changed in place), at a cost the
+        # capture pays every step: the list is read directly once ``req_ids``
+        # is seen to be it (checked for each new input batch; otherwise the
+        # property, each step). It holds None
         # only while vLLM updates the batch, never at a forward pass.
         batch = self.runner.input_batch
         if batch is not self.batch:
