@@ -35,15 +35,11 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = [
-    "EMBEDS_SCHEME",
     "RequestBlockHasher",
     "adapter_id",
-    "flag_runs",
     "install_block_hasher",
     "make_request",
-    "prompt_embeds_annotations",
     "prompt_embeds_digest",
-    "scheduler_block_hasher",
 ]
 
 

@@ -24,7 +24,10 @@ from omnicache.block_hash import BlockHash
 from omnicache.checks import check_int
 from omnicache.store.fill import fill_after
 
-__all__ = ["NULL_BLOCK_ID", "RequestState", "StoreGroup", "WorkerTable", "group_keys"]
+__all__ = [
+    "RequestState",
+    "WorkerTable",
+]
 
 NULL_BLOCK_ID = 0
 """vLLM's null block: never handed out, it stands for blocks a group skips."""

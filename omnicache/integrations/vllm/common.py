@@ -23,24 +23,14 @@ from typing import Any
 
 __all__ = [
     "ALL_HIDDEN_STATES",
-    "CONNECTOR_MODULE",
-    "CONNECTOR_NAME",
     "GPU_WORKER_CLS",
     "INSTALL_HINT",
-    "LIVE_INSTALL_HINT",
     "PROMPT_HIDDEN_STATES",
-    "REQUEST_FIELDS",
     "SCHEDULER_CLS",
-    "VLLM_SERIES",
     "WORKER_CLS",
     "check_request_fields",
-    "live_engine_missing",
-    "require_live_engine",
-    "require_vllm",
     "store_kv_transfer_config",
     "vllm_series",
-    "wants_hidden_states",
-    "wants_prompt_hidden_states",
 ]
 
 INSTALL_HINT = (

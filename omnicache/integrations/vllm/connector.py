@@ -60,16 +60,12 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from omnicache.integrations.vllm.common import (
-    ALL_HIDDEN_STATES,
-    CONNECTOR_MODULE,
     CONNECTOR_NAME,
-    PROMPT_HIDDEN_STATES,
     SCHEDULER_CLS,
     vllm_series,
 )
 from omnicache.integrations.vllm.kv_tier import TierConfig, tier_config
 from omnicache.integrations.vllm.plan import (
-    EXTERNAL_TOKENS_PARAM,
     NUM_POSITIONS_PARAM,
     REQUEST_ID_PARAM,
     RESULT_KEY_PARAM,
@@ -96,15 +92,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = [
-    "ALL_HIDDEN_STATES",
-    "CONNECTOR_MODULE",
-    "CONNECTOR_NAME",
-    "EXTERNAL_TOKENS_PARAM",
-    "NUM_POSITIONS_PARAM",
-    "PROMPT_HIDDEN_STATES",
-    "REQUEST_ID_PARAM",
-    "RESULT_KEY_PARAM",
-    "OmniStepMetadata",
     "OmniStoreConnector",
 ]
 

@@ -53,7 +53,10 @@ from omnicache.integrations.vllm.common import check_request_fields, vllm_series
 from omnicache.integrations.vllm.identifiers import checked_multi_modal_uuids
 from omnicache.media import VLLM_RULES
 
-__all__ = ["ENABLE_ENV", "PATCHED", "install_mm_uuids", "install_request_checks", "register"]
+__all__ = [
+    "ENABLE_ENV",
+    "register",
+]
 
 ENABLE_ENV = "OMNICACHE_MM_UUIDS"
 

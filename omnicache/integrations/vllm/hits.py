@@ -34,7 +34,10 @@ from omnicache.integrations.vllm.plan import PlannedRequest
 from omnicache.integrations.vllm.prompt_results import GatheredPrompt
 from omnicache.store import HIDDEN_STATES, TensorStore
 
-__all__ = ["HitLogprobs", "HitReader", "ScoredHit", "share_from_first_rank"]
+__all__ = [
+    "HitLogprobs",
+    "HitReader",
+]
 
 _LOG = logging.getLogger(__name__)
 

@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 
 __all__ = [
-    "HEX_DIGEST",
     "UUID_NAMESPACE",
     "DataLessItemError",
     "IdentifierMismatchError",

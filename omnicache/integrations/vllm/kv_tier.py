@@ -51,19 +51,11 @@ from omnicache.store import HIDDEN_STATES, EntrySpec, TensorStore, TierBlock
 from omnicache.tiers.base import check_key_part
 
 __all__ = [
-    "KV_ENTRY_PREFIX",
     "TIER_NAMESPACE",
-    "TIER_PREFIX",
     "TIER_URL",
-    "TierConfig",
     "TierReader",
     "WorkerTier",
     "WorkerTierStats",
-    "entry_names",
-    "entry_specs",
-    "kv_entry_name",
-    "tier_config",
-    "tier_reader",
 ]
 
 TIER_URL = "tier_url"

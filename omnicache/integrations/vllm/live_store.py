@@ -52,6 +52,7 @@ from omnicache.integrations.vllm.common import CONNECTOR_NAME
 from omnicache.integrations.vllm.hits import HitLogprobs, HitReader
 from omnicache.integrations.vllm.kv_tier import WorkerTier
 from omnicache.integrations.vllm.plan import (
+    MAX_STAGED_STEPS,
     PlannedRequest,
     StepPlan,
     batch_requests,
@@ -60,14 +61,17 @@ from omnicache.integrations.vllm.plan import (
 from omnicache.integrations.vllm.prompt_results import PromptResults
 from omnicache.integrations.vllm.staged_steps import (
     MAX_STAGED_BYTES,
-    MAX_STAGED_STEPS,
     StagedSteps,
     staged_slots,
     write_staged,
 )
 from omnicache.store import HIDDEN_STATES, TensorStore
 
-__all__ = ["FOLLOWER_DTYPE", "LiveStore", "LiveStoreStats", "follower_store"]
+__all__ = [
+    "LiveStore",
+    "LiveStoreStats",
+    "follower_store",
+]
 
 FOLLOWER_DTYPE = torch.uint8
 """A follower's store (`follower_store`) keeps one value of this type a row."""

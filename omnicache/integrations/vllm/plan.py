@@ -21,22 +21,11 @@ from omnicache.block_hash import BlockHash
 from omnicache.integrations.vllm.common import wants_hidden_states
 
 __all__ = [
-    "EXTERNAL_TOKENS_PARAM",
-    "MAX_STAGED_STEPS",
-    "NUM_POSITIONS_PARAM",
-    "REQUEST_ID_PARAM",
-    "RESULT_KEY_PARAM",
     "LoadOrder",
     "PlannedRequest",
     "SchedulerSide",
     "StepPlan",
     "WorkerSide",
-    "asks",
-    "batch_requests",
-    "planned_slots",
-    "prompt_requests",
-    "scheduled",
-    "uncached_plan",
 ]
 
 REQUEST_ID_PARAM = "omnicache_request_id"

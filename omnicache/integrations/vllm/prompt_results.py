@@ -29,7 +29,11 @@ import torch
 from omnicache.checks import check_int, check_str
 from omnicache.integrations.vllm.plan import StepPlan
 
-__all__ = ["GatheredPrompt", "PromptResults", "decode_result", "encode_result"]
+__all__ = [
+    "PromptResults",
+    "decode_result",
+    "encode_result",
+]
 
 
 @dataclass(slots=True)

@@ -55,14 +55,10 @@ from omnicache.integrations.vllm.plan import (
 from omnicache.integrations.vllm.prompt_results import decode_result
 
 __all__ = [
-    "DEFAULT_MAX_BYTES",
     "MAX_BYTES_ENV",
     "ROUTE",
-    "TAKE_METHOD",
     "OmniEndpoints",
     "fetch_prompt_hidden_states",
-    "read_safetensors",
-    "safetensors_bytes",
     "take_prompt_hidden_states",
 ]
 

@@ -60,8 +60,6 @@ __all__ = [
     "ALGORITHM_ENV",
     "NAMESPACE_ENV",
     "OmniScheduler",
-    "algorithm_from_env",
-    "reads_prefix_from_store",
 ]
 
 ALGORITHM_ENV = "OMNICACHE_BLOCK_ALGORITHM"

@@ -68,16 +68,9 @@ from omnicache.integrations.vllm.plan import (
 from omnicache.store import HIDDEN_STATES, TensorStore
 
 __all__ = [
-    "MAX_FLUSH_WRITES",
-    "MAX_HOST_STEP_BYTES",
     "MAX_STAGED_BYTES",
-    "MAX_STAGED_STEPS",
-    "STAGED_BUDGET_SHARE",
     "StagedSteps",
-    "Written",
     "default_max_staged_bytes",
-    "staged_slots",
-    "write_staged",
 ]
 
 MAX_STAGED_BYTES = 32 * 2**20

@@ -107,7 +107,6 @@ if TYPE_CHECKING:
     from vllm.v1.worker.gpu_worker import Worker
 
 __all__ = [
-    "DEFAULT_MAX_PROMPT_RESULTS",
     "FLUSH_METHOD",
     "GPU_WORKER_CLS",
     "STATS_METHOD",
