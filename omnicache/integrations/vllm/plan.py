@@ -4,7 +4,7 @@ The engine core builds one `StepPlan` per step (`mirror.StoreMirror`, the
 scheduler side) and vLLM carries it to the worker's process inside the
 step's ``SchedulerOutput`` (``kv_connector_metadata``, through
 `connector.OmniStoreConnector`, which does nothing else); the worker
-(`worker.LiveStore`) writes the step's hidden states by it. The connector
+(`live_store.LiveStore`) writes the step's hidden states by it. The connector
 knows each side only by the small protocol it calls (`SchedulerSide`,
 `WorkerSide`), bound by the scheduler and the worker at start. Plain data
 and protocols: no vLLM, no torch.
@@ -291,7 +291,7 @@ class SchedulerSide(Protocol):
 
 
 class WorkerSide(Protocol):
-    """What the connector's worker side hands to omnicache's worker (`worker.LiveStore`)."""
+    """What the connector's worker side hands to omnicache's worker (`live_store.LiveStore`)."""
 
     def start_step(self, plan: StepPlan) -> set[int]:
         """Clears stamps, then runs the plan's loads; the blocks that did not load.

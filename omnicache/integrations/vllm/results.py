@@ -127,7 +127,7 @@ def take_prompt_hidden_states(llm: Any, outputs: Sequence[Any]) -> list[torch.Te
         that asked for every position, ``(num_prompt_tokens +
         num_output_tokens - 1, hidden)`` (the last token never went through
         the model); None when the worker found a hit it could not read (see
-        `worker.LiveStoreStats`).
+        `live_store.LiveStoreStats`).
 
     Raises:
         ValueError: an output that did not ask, or whose result is gone
