@@ -9,6 +9,8 @@ through shared-memory queues. This benchmark serves the same requests on:
   of vLLM's that fills a request's prompt KV with dummy values instead of
   computing it, so its engine does less work than the others (no prefill);
 - omnicache (its scheduler, worker and connector), nothing asked;
+- both connectors again with `omnicache.integrations.vllm.common.cpu_server_env`'s
+  environment (vLLM's CPU core reservation as without a connector);
 
 each in vLLM's multiprocess mode, and vLLM alone and omnicache again in
 process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). The model is a tiny
@@ -55,10 +57,13 @@ from vllm.v1.worker.cpu_worker import CPUWorker  # noqa: E402
 from omnicache.demo.live import STAGED_BYTES, kv_budget  # noqa: E402
 from omnicache.integrations.vllm.worker import OmniCPUWorker  # noqa: E402
 
+ENV = " + env"
 MODES = (
     ("vLLM", True),
     ("vLLM + DecodeBenchConnector", True),
     ("omnicache", True),
+    ("vLLM + DecodeBenchConnector" + ENV, True),
+    ("omnicache" + ENV, True),
     ("vLLM", False),
     ("omnicache", False),
 )
@@ -98,9 +103,18 @@ def engine(mode: str, multiprocess: bool, model: Path) -> Any:
     import vllm.envs
     from vllm import LLM
 
-    from omnicache.integrations.vllm.common import SCHEDULER_CLS, store_kv_transfer_config
+    from omnicache.integrations.vllm.common import (
+        RESERVED_CPU_ENV,
+        SCHEDULER_CLS,
+        cpu_server_env,
+        store_kv_transfer_config,
+    )
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    os.environ.pop(RESERVED_CPU_ENV, None)
+    if mode.endswith(ENV):
+        os.environ.update(cpu_server_env())
+        mode = mode.removesuffix(ENV)
     vllm.envs.disable_envs_cache()
     options: dict[str, Any] = {
         "model": str(model),
@@ -192,7 +206,7 @@ def main() -> None:
         f"{args.repeats} pass(es)"
     )
     print(
-        f"{'':<30}{'process':>9}{'request ms':>12}{'/ vLLM':>8}{'worker steps s':>16}"
+        f"{'':<40}{'process':>9}{'request ms':>12}{'/ vLLM':>8}{'worker steps s':>16}"
         f"{'store s':>9}{'worker CPU s':>14}{'core CPU s':>12}"
     )
     base = {mp: statistics.median([p["ms"] for p in passes[("vLLM", mp)]]) for mp in (True, False)}
@@ -204,9 +218,10 @@ def main() -> None:
         worker_cpu = f"{statistics.median([c[1] for c in cpus]):.2f}" if cpus else "-"
         core_cpu = f"{statistics.median([c[0] for c in cpus]):.2f}" if cpus else "-"
         where = "multi" if multiprocess else "in"
+        store_s = f"{store:.3f}" if mode.startswith("omnicache") else "-"
         print(
-            f"{mode:<30}{where:>9}{ms:>12.1f}{ms / base[multiprocess]:>7.2f}x{steps:>16.3f}"
-            f"{(f'{store:.3f}' if mode == 'omnicache' else '-'):>9}{worker_cpu:>14}{core_cpu:>12}"
+            f"{mode:<40}{where:>9}{ms:>12.1f}{ms / base[multiprocess]:>7.2f}x{steps:>16.3f}"
+            f"{store_s:>9}{worker_cpu:>14}{core_cpu:>12}"
         )
 
 

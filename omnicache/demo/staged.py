@@ -64,7 +64,11 @@ from omnicache.demo.live import (
 from omnicache.demo.oracle import ATOL, RTOL, best_hit_tokens
 from omnicache.demo.tiny_models import build_omni_model, build_talker_model
 from omnicache.demo.workloads import Trace
-from omnicache.integrations.vllm.common import PROMPT_HIDDEN_STATES, require_live_engine
+from omnicache.integrations.vllm.common import (
+    PROMPT_HIDDEN_STATES,
+    cpu_server_env,
+    require_live_engine,
+)
 from omnicache.integrations.vllm.results import take_prompt_hidden_states
 from omnicache.pipeline import Pipeline, PipelineOutput, TalkerRecipe
 
@@ -174,16 +178,22 @@ def _mode(multiprocess: bool) -> Iterator[None]:
     """
     import vllm.envs
 
-    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    # A multiprocess engine reserves for the engine core what it would without a
+    # connector (`cpu_server_env`: the same for caching off, which has none).
+    settings = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
+    if multiprocess:
+        settings.update(cpu_server_env())
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
     vllm.envs.disable_envs_cache()
     try:
         yield
     finally:
-        if saved is None:
-            del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
         vllm.envs.disable_envs_cache()
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "SCHEDULER_CLS",
     "WORKER_CLS",
     "check_request_fields",
+    "cpu_server_env",
     "store_kv_transfer_config",
     "vllm_series",
 ]
@@ -79,6 +80,30 @@ def store_kv_transfer_config(*, max_staged_bytes: int | None = None) -> dict[str
     if max_staged_bytes is not None:
         config["kv_connector_extra_config"] = {"max_staged_bytes": max_staged_bytes}
     return config
+
+
+RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+
+
+def cpu_server_env(local_world_size: int = 1) -> dict[str, str]:
+    """The environment for vLLM's multiprocess CPU engine with omnicache's connector (a new dict).
+
+    vLLM binds each CPU worker's OpenMP threads to the cores left after it
+    reserves some for the engine core: one per local rank, and one more per
+    local rank whenever a KV connector is configured (for a connector's
+    transfer threads, as NIXL's). omnicache's connector transfers nothing: it
+    carries the step's plan inside the step's message. So this sets the
+    reservation back to what vLLM makes without a connector,
+    ``local_world_size`` cores. Without it, a machine with no more cores
+    than the doubled reservation has none left to reserve, vLLM binds the
+    worker's threads to every core, and the worker's OpenMP threads,
+    spin-waiting between parallel regions, take the core the engine core
+    schedules on (benchmarks/bench_serve.py measures the difference). vLLM
+    logs a warning that the value is below its minimum; it uses it.
+    """
+    if type(local_world_size) is not int or local_world_size < 1:
+        raise ValueError(f"local_world_size: expected an int >= 1, found {local_world_size!r}")
+    return {RESERVED_CPU_ENV: str(local_world_size)}
 
 
 def _flag(extra: Any, key: str) -> bool:
