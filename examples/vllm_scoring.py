@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,9 +32,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from omnicache.demo.openai_server import OpenAIServer, ServerError
 from omnicache.integrations.vllm.common import (
     SCHEDULER_CLS,
     WORKER_CLS,
+    cpu_server_env,
     live_engine_missing,
     store_kv_transfer_config,
 )
@@ -50,37 +50,24 @@ OMNICACHE = [
     "--worker-cls", WORKER_CLS,
     "--kv-transfer-config", json.dumps(store_kv_transfer_config()),
 ]  # fmt: skip
+# vLLM's CPU engine reserves no core for omnicache's connector (see cpu_server_env).
+OMNICACHE_ENV = cpu_server_env()
 
 
 @contextmanager
-def server(model: Path, options: list[str], log: Path) -> Iterator[str]:
+def server(
+    model: Path, options: list[str], log: Path, env: dict[str, str] | None = None
+) -> Iterator[str]:
     """An OpenAI server of ``model`` on a free loopback port; yields its base URL."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+    common = [
         "--dtype", "float32", "--block-size", "32", "--kv-cache-memory-bytes", str(256 * 2**20),
-        "--max-model-len", "2048", "--enforce-eager", *options,
+        "--max-model-len", "2048", "--enforce-eager",
     ]  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline:
-                if process.poll() is not None:
-                    sys.exit(f"the server exited: {log.read_text(errors='replace')[-2000:]}")
-                try:
-                    with urllib.request.urlopen(url + "/health", timeout=2):
-                        break
-                except OSError:
-                    time.sleep(0.5)
-            yield url
-        finally:
-            process.terminate()
-            process.wait(timeout=60)
+    try:
+        with OpenAIServer(model, log, common + options, env=env) as running:
+            yield running.url
+    except ServerError as exc:
+        sys.exit(str(exc))
 
 
 def prefix_cache_hits(url: str) -> int:
@@ -132,8 +119,8 @@ def main() -> None:
     prompts = [context + continuation for _, _, context, continuation in items]
 
     results = {}
-    for name, options in (("caching off", []), ("omnicache", OMNICACHE)):
-        with server(model, options, tmp / f"{name}.log") as url:
+    for name, options, env in (("caching off", [], None), ("omnicache", OMNICACHE, OMNICACHE_ENV)):
+        with server(model, options, tmp / f"{name}.log", env) as url:
             score(url, prompts[:1])  # a warm-up request, which also computes the shots
             results[name] = score(url, prompts)
 
