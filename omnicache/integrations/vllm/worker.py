@@ -272,7 +272,8 @@ class OmniWorkerMixin:
         if self.use_v2_model_runner:
             raise ValueError(
                 f"{type(self).__name__}: expected vLLM's V1 model runner, found the V2 model "
-                "runner (VLLM_USE_V2_MODEL_RUNNER=0 selects V1)"
+                "runner (vLLM 0.33's default wherever Triton is installed, as with CUDA): "
+                "set VLLM_USE_V2_MODEL_RUNNER=0 to select V1"
             )
         self._omni_capture: StepCapture | None = None
         self._omni_logprobs: HitLogprobs | None = None
