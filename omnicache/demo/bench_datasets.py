@@ -7,7 +7,9 @@ vLLM's client reads local multimodal datasets as JSONL:
   path}``; the client sends them, in order, as one user message of a chat
   completion (the image as a ``file://`` URL the server opens, given
   ``--allowed-local-media-path``);
-- ``custom_audio``: ``{"prompt": text, "audio": path}``, one clip per request.
+- ``custom_audio``: ``{"prompt": text, "audio": path}``, one clip per request
+  (vLLM's loader of it reads the file with pandas, which vLLM's CPU build
+  does not install: ``pip install pandas`` before using it).
 
 `export_bench_datasets` writes a `Trace` that way. A chat request of vLLM's
 client is one user message, so each prompt's messages are laid end to end
