@@ -178,8 +178,9 @@ def _mode(multiprocess: bool) -> Iterator[None]:
     """
     import vllm.envs
 
-    # A multiprocess engine reserves for the engine core what it would without a
-    # connector (`cpu_server_env`: the same for caching off, which has none).
+    # A multiprocess engine reserves for the engine core what vLLM reserves
+    # without a connector (`cpu_server_env`), whether it carries the store's
+    # connector (runs 1 and 3) or none (run 2).
     settings = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
     if multiprocess:
         settings.update(cpu_server_env())

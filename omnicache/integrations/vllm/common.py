@@ -98,7 +98,7 @@ def cpu_server_env(local_world_size: int = 1) -> dict[str, str]:
     than the doubled reservation has none left to reserve, vLLM binds the
     worker's threads to every core, and the worker's OpenMP threads,
     spin-waiting between parallel regions, take the core the engine core
-    schedules on (benchmarks/bench_serve.py measures the difference). vLLM
+    schedules on (benchmarks/bench_live_multiprocess.py measures both). vLLM
     logs a warning that the value is below its minimum; it uses it.
     """
     if type(local_world_size) is not int or local_world_size < 1:
