@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import shutil
 import signal
 import statistics
@@ -331,7 +332,7 @@ def profile_round(
             f"  pass {wall:.1f} s wall (the client's start included), {measured['duration']:.1f} s "
             f"of requests: {measured['request_throughput']:.2f} req/s, TTFT p50 "
             f"{measured['p50_ttft_ms']:.0f} ms, TPOT p50 {measured['p50_tpot_ms']:.1f} ms; "
-            f"CPU seconds by process (of {2 * wall:.1f} s):"
+            f"CPU seconds by process (of {(os.cpu_count() or 1) * wall:.1f} s on all cores):"
         )
         lines.append(
             f"  engine: {grew('vllm:iteration_tokens_total_count'):.0f} steps computing "
