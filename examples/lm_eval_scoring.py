@@ -59,6 +59,7 @@ from typing import Any
 # Beside this file: run as a script, its folder is on sys.path.
 from vllm_scoring import OMNICACHE, OMNICACHE_ENV, server
 
+from omnicache.demo.openai_server import read_metrics
 from omnicache.integrations.vllm.common import live_engine_missing
 
 LM_EVAL_VERSION = "0.4.13"  # scripts/install-lm-eval.sh installs this one
@@ -142,19 +143,6 @@ def write_task(folder: Path) -> str:
         f"{row['question']} {row['choices'][row['label']]}\n\n" for row in rows["train"]
     )
     return DESCRIPTION + shots
-
-
-def metrics(url: str) -> dict[str, float]:
-    """``/metrics``: each series' value, summed over its labels."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
-        lines = response.read().decode().splitlines()
-    values: dict[str, float] = {}
-    for line in lines:
-        if line and not line.startswith("#"):
-            series, value = line.rsplit(" ", 1)
-            name = series.split("{", 1)[0]
-            values[name] = values.get(name, 0.0) + float(value)
-    return values
 
 
 def complete(url: str, prompt: list[int]) -> None:
@@ -249,10 +237,10 @@ def main() -> None:
         with server(model, options, tmp / f"server-{slug}.log", env) as url:
             for prompt in warm_ups:
                 complete(url, prompt)
-            before = metrics(url)
+            before = read_metrics(url)
             output = tmp / f"lm-eval-{slug}"
             seconds = run_lm_eval(url, model, task_dir, output, tmp / f"lm-eval-{slug}.log")
-            after = metrics(url)
+            after = read_metrics(url)
         accuracy, loglikelihoods, contexts = read_results(output)
         if not all(context.startswith(prefix) for context in contexts):
             sys.exit(f"{name}: lm-eval sent a context that does not start with the prefix")

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from omnicache.demo.openai_server import OpenAIServer, ServerError
+from omnicache.demo.openai_server import OpenAIServer, ServerError, read_metrics
 from omnicache.integrations.vllm.common import (
     SCHEDULER_CLS,
     WORKER_CLS,
@@ -72,15 +72,7 @@ def server(
 
 def prefix_cache_hits(url: str) -> int:
     """vLLM's count of prompt tokens found cached, from ``/metrics``."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
-        lines = response.read().decode().splitlines()
-    return int(
-        sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in lines
-            if line.startswith("vllm:prefix_cache_hits_total")
-        )
-    )
+    return int(read_metrics(url).get("vllm:prefix_cache_hits_total", 0.0))
 
 
 def score(url: str, prompts: list[list[int]]) -> tuple[list[list[float]], int, float]:

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["OpenAIServer", "ServerError", "free_port"]
+__all__ = ["OpenAIServer", "ServerError", "free_port", "read_metrics"]
 
 READY_S = 300.0
 
@@ -38,8 +38,7 @@ class OpenAIServer:
     """A running server of ``model``, served as ``served_model_name``; a context manager.
 
     ``options`` follow the model and port on the command line; ``env`` adds
-    to this process's environment. ``wrap`` comes before the interpreter on
-    the command line (a profiler that runs the server as its child).
+    to this process's environment.
     """
 
     def __init__(
@@ -50,13 +49,12 @@ class OpenAIServer:
         *,
         served_model_name: str = "tiny",
         env: Mapping[str, str] | None = None,
-        wrap: Sequence[str] = (),
     ) -> None:
         self.port = free_port()
         self.log = log
         self.served_model_name = served_model_name
         self.command = [
-            *wrap, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--served-model-name", served_model_name,
             "--host", "127.0.0.1", "--port", str(self.port), *options,
         ]  # fmt: skip
@@ -117,16 +115,8 @@ class OpenAIServer:
             self.process.wait()
 
     def metrics(self) -> dict[str, float]:
-        """Every sample of the server's /metrics, summed over labels, by name."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as response:
-            lines = response.read().decode().splitlines()
-        totals: dict[str, float] = {}
-        for line in lines:
-            if not line or line.startswith("#"):
-                continue
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-        return totals
+        """`read_metrics` of this server."""
+        return read_metrics(self.url)
 
     def prefix_cache_counters(self) -> tuple[int, int]:
         """vLLM's prompt tokens queried and found cached so far: (queries, hits), from /metrics."""
@@ -135,3 +125,16 @@ class OpenAIServer:
             int(totals.get("vllm:prefix_cache_queries_total", 0.0)),
             int(totals.get("vllm:prefix_cache_hits_total", 0.0)),
         )
+
+
+def read_metrics(base_url: str) -> dict[str, float]:
+    """Every sample of a server's ``/metrics``, summed over its labels, by name."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    totals: dict[str, float] = {}
+    for line in lines:
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
